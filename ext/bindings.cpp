@@ -1,0 +1,166 @@
+// The only file that includes pybind11: exposes the native core as
+// aiodatadist._native. Every blocking call releases the GIL.
+#include <pybind11/eval.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "core.hpp"
+
+namespace py = pybind11;
+using namespace aiodd;
+
+namespace {
+
+py::object g_native_error;
+
+// Python's NativeError carries .status (Status) and .errno besides the message.
+const char* kNativeErrorSrc = R"(
+class NativeError(Exception):
+    """A failure in the native core; ``status`` is a :class:`Status`, ``errno`` the OS error (0 if none)."""
+
+    def __init__(self, status, message, errno=0):
+        super().__init__(message)
+        self.status = Status(status)
+        self.errno = errno
+
+    def __reduce__(self):
+        return (type(self), (int(self.status), str(self), self.errno))
+)";
+
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "aiodatadist native core: plans, movers, shared memory (private; use the aiodatadist API)";
+  m.attr("__version__") = "0.1.0";
+  m.attr("IOV_MAX") = iov_max();
+  m.attr("CHUNK_BYTES") = kChunk;
+
+  py::enum_<Status>(m, "Status")
+      .value("OK", Status::OK)
+      .value("FAILED", Status::FAILED)
+      .value("PARAM_INVALID", Status::PARAM_INVALID)
+      .value("OUT_OF_RANGE", Status::OUT_OF_RANGE)
+      .value("OVERLAP", Status::OVERLAP)
+      .value("ABORTED", Status::ABORTED)
+      .value("TIMEOUT", Status::TIMEOUT)
+      .value("PERMISSION_DENIED", Status::PERMISSION_DENIED)
+      .value("NO_SUCH_PROCESS", Status::NO_SUCH_PROCESS)
+      .value("PEER_CLOSED", Status::PEER_CLOSED)
+      .value("IO_ERROR", Status::IO_ERROR)
+      .value("NO_MEMORY", Status::NO_MEMORY);
+
+  py::exec(kNativeErrorSrc, m.attr("__dict__"));
+  g_native_error = m.attr("NativeError");
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      py::object err = g_native_error(static_cast<int>(e.status()), e.what(), e.sys_errno());
+      PyErr_SetObject(g_native_error.ptr(), err.ptr());
+    } catch (const std::bad_alloc&) {
+      py::object err = g_native_error(static_cast<int>(Status::NO_MEMORY), "out of memory", 0);
+      PyErr_SetObject(g_native_error.ptr(), err.ptr());
+    }
+  });
+
+  py::class_<Control>(m, "Control")
+      .def(py::init<>())
+      .def("abort", &Control::abort)
+      .def_property_readonly("aborted", &Control::aborted)
+      .def_property_readonly("bytes_done", &Control::bytes_done)
+      .def_property_readonly("total", &Control::total)
+      .def("reset", &Control::reset)
+      .def("__repr__", [](const Control& c) {
+        return "<Control aborted=" + std::string(c.aborted() ? "True" : "False") +
+               " bytes_done=" + std::to_string(c.bytes_done()) + " total=" + std::to_string(c.total()) + ">";
+      });
+
+  py::class_<Geometry>(m, "Geometry")
+      .def(py::init<uint64_t, uint64_t, uint64_t>(), py::arg("num_tensors"), py::arg("num_blocks"),
+           py::arg("block_bytes"))
+      .def_readonly("num_tensors", &Geometry::num_tensors)
+      .def_readonly("num_blocks", &Geometry::num_blocks)
+      .def_readonly("block_bytes", &Geometry::block_bytes)
+      .def_property_readonly("tensor_bytes", &Geometry::tensor_bytes)
+      .def("__repr__", [](const Geometry& g) {
+        return "<Geometry num_tensors=" + std::to_string(g.num_tensors) + " num_blocks=" +
+               std::to_string(g.num_blocks) + " block_bytes=" + std::to_string(g.block_bytes) + ">";
+      });
+
+  py::class_<Plan>(m, "Plan")
+      .def_static("blocks", &Plan::blocks, py::arg("src"), py::arg("dst"), py::arg("src_blocks"),
+                  py::arg("dst_blocks"), py::arg("src_tensor_start"), py::arg("dst_tensor_start"),
+                  py::arg("tensor_count"))
+      .def_static(
+          "from_segments",
+          [](const Geometry& src, const Geometry& dst,
+             py::array_t<uint64_t, py::array::c_style | py::array::forcecast> arr) {
+            if (arr.ndim() != 2 || arr.shape(1) != 5)
+              throw Error(Status::PARAM_INVALID, "segments must be an (n, 5) array");
+            std::vector<Segment> segs(static_cast<size_t>(arr.shape(0)));
+            auto r = arr.unchecked<2>();
+            for (py::ssize_t i = 0; i < arr.shape(0); ++i)
+              segs[static_cast<size_t>(i)] = {r(i, 0), r(i, 1), r(i, 2), r(i, 3), r(i, 4)};
+            return Plan::from_segments(src, dst, std::move(segs));
+          },
+          py::arg("src"), py::arg("dst"), py::arg("segments"))
+      .def_property_readonly("src", &Plan::src)
+      .def_property_readonly("dst", &Plan::dst)
+      .def_property_readonly("num_segments", [](const Plan& p) { return p.segments().size(); })
+      .def_property_readonly("total_bytes", &Plan::total_bytes)
+      .def("segments",
+           [](const Plan& p) {
+             const auto& s = p.segments();
+             py::array_t<uint64_t> out({static_cast<py::ssize_t>(s.size()), py::ssize_t{5}});
+             auto w = out.mutable_unchecked<2>();
+             for (size_t i = 0; i < s.size(); ++i) {
+               auto j = static_cast<py::ssize_t>(i);
+               w(j, 0) = s[i].src_tensor;
+               w(j, 1) = s[i].src_off;
+               w(j, 2) = s[i].dst_tensor;
+               w(j, 3) = s[i].dst_off;
+               w(j, 4) = s[i].nbytes;
+             }
+             return out;
+           })
+      .def("__repr__", [](const Plan& p) {
+        return "<Plan segments=" + std::to_string(p.segments().size()) +
+               " total_bytes=" + std::to_string(p.total_bytes()) + ">";
+      });
+
+  using gil_release = py::call_guard<py::gil_scoped_release>;
+  m.def("copy_local", &copy_local, py::arg("plan"), py::arg("src_bases"), py::arg("dst_bases"),
+        py::arg("control"), py::arg("threads") = 1, gil_release());
+  m.def("cma_read", &cma_read, py::arg("pid"), py::arg("plan"), py::arg("remote_src_bases"),
+        py::arg("local_dst_bases"), py::arg("control"), py::arg("threads") = 1, gil_release());
+  m.def("cma_write", &cma_write, py::arg("pid"), py::arg("plan"), py::arg("local_src_bases"),
+        py::arg("remote_dst_bases"), py::arg("control"), py::arg("threads") = 1, gil_release());
+  m.def("sock_send", &sock_send, py::arg("fds"), py::arg("plan"), py::arg("src_bases"), py::arg("control"),
+        gil_release());
+  m.def("sock_recv", &sock_recv, py::arg("fds"), py::arg("plan"), py::arg("dst_bases"), py::arg("control"),
+        gil_release());
+  m.def(
+      "cma_probe",
+      [](int pid) {
+        int e = cma_probe(pid);
+        return py::make_tuple(e == 0, e);
+      },
+      py::arg("pid"));
+
+  py::class_<ShmSegment, std::unique_ptr<ShmSegment>>(m, "ShmSegment")
+      .def_static("create", &ShmSegment::create, py::arg("name"), py::arg("size"))
+      .def_static("open", &ShmSegment::open, py::arg("name"), py::arg("size"), py::arg("writable") = false)
+      .def_property_readonly("name", &ShmSegment::name)
+      .def_property_readonly("size", &ShmSegment::size)
+      .def_property_readonly("addr", &ShmSegment::addr)
+      .def_property_readonly("owner", &ShmSegment::owner)
+      .def_property_readonly("closed", &ShmSegment::closed)
+      .def("close", &ShmSegment::close)
+      .def("unlink", &ShmSegment::unlink)
+      .def("__repr__", [](const ShmSegment& s) {
+        return "<ShmSegment name='" + s.name() + "' size=" + std::to_string(s.size()) +
+               (s.closed() ? " closed" : "") + ">";
+      });
+}

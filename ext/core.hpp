@@ -1,0 +1,184 @@
+// aiodatadist native core: plans, abort/progress control, data movers.
+//
+// No pybind11 and no Python in here: bindings.cpp is the only file that knows
+// about Python, so this core can be compiled, tested and sanitized on its own.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace aiodd {
+
+// Native status codes. Python maps them to LLMStatusCode through one table
+// (aiodatadist/errors.py NATIVE_STATUS_TABLE); keep the numbers in step.
+enum class Status : int {
+  OK = 0,
+  FAILED = 1,
+  PARAM_INVALID = 2,
+  OUT_OF_RANGE = 3,
+  OVERLAP = 4,
+  ABORTED = 5,
+  TIMEOUT = 6,
+  PERMISSION_DENIED = 7,
+  NO_SUCH_PROCESS = 8,
+  PEER_CLOSED = 9,
+  IO_ERROR = 10,
+  NO_MEMORY = 11,
+};
+
+class Error : public std::runtime_error {
+ public:
+  Error(Status status, const std::string& what, int err = 0)
+      : std::runtime_error(what), status_(status), errno_(err) {}
+  Status status() const noexcept { return status_; }
+  int sys_errno() const noexcept { return errno_; }
+
+ private:
+  Status status_;
+  int errno_;
+};
+
+// Movers look at the abort flag between segments and at least every kChunk bytes.
+constexpr uint64_t kChunk = 4ull << 20;
+
+// Abort token + progress counter for one job. Python reads bytes_done at any
+// time without blocking; abort() may be called from any thread. The eventfd
+// lets socket movers wake from poll() the moment an abort is requested.
+class Control {
+ public:
+  Control();
+  ~Control();
+  Control(const Control&) = delete;
+  Control& operator=(const Control&) = delete;
+
+  void abort() noexcept;
+  bool aborted() const noexcept { return aborted_.load(std::memory_order_acquire); }
+  void reset() noexcept;
+  int wake_fd() const noexcept { return efd_; }
+
+  void add_done(uint64_t n) noexcept { done_.fetch_add(n, std::memory_order_relaxed); }
+  uint64_t bytes_done() const noexcept { return done_.load(std::memory_order_relaxed); }
+  void set_total(uint64_t n) noexcept { total_.store(n, std::memory_order_relaxed); }
+  uint64_t total() const noexcept { return total_.load(std::memory_order_relaxed); }
+
+  // Throws Error(ABORTED) when an abort was requested.
+  void check() const {
+    if (aborted()) throw Error(Status::ABORTED, "transfer aborted");
+  }
+
+ private:
+  std::atomic<bool> aborted_{false};
+  std::atomic<uint64_t> done_{0};
+  std::atomic<uint64_t> total_{0};
+  int efd_ = -1;
+};
+
+struct Geometry {
+  uint64_t num_tensors = 0;
+  uint64_t num_blocks = 0;
+  uint64_t block_bytes = 0;
+  Geometry() = default;
+  Geometry(uint64_t t, uint64_t b, uint64_t bb);
+  uint64_t tensor_bytes() const { return num_blocks * block_bytes; }
+};
+
+struct Segment {
+  uint64_t src_tensor;
+  uint64_t src_off;
+  uint64_t dst_tensor;
+  uint64_t dst_off;
+  uint64_t nbytes;
+};
+
+class Plan {
+ public:
+  // Block-to-block: for every tensor pair (src_tensor_start + k, dst_tensor_start + k),
+  // k < tensor_count, and every i, copy block src_blocks[i] to block dst_blocks[i].
+  // Block sizes must match on both sides. Consecutive pairs are merged into runs.
+  static Plan blocks(const Geometry& src, const Geometry& dst, const std::vector<int64_t>& src_blocks,
+                     const std::vector<int64_t>& dst_blocks, uint64_t src_tensor_start,
+                     uint64_t dst_tensor_start, uint64_t tensor_count);
+  // Arbitrary segments, each validated against both geometries; adjacent ones merged.
+  static Plan from_segments(const Geometry& src, const Geometry& dst, std::vector<Segment> segs);
+
+  const Geometry& src() const { return src_; }
+  const Geometry& dst() const { return dst_; }
+  const std::vector<Segment>& segments() const { return segs_; }
+  uint64_t total_bytes() const { return total_; }
+
+ private:
+  void finish();  // merge, bounds-check, overlap-check, total
+  Geometry src_, dst_;
+  std::vector<Segment> segs_;
+  uint64_t total_ = 0;
+};
+
+// A contiguous piece of a plan resolved to addresses.
+struct Piece {
+  uint64_t src;
+  uint64_t dst;
+  uint64_t nbytes;
+};
+
+// Resolves a plan against base addresses (one per tensor). Throws PARAM_INVALID
+// when a base list does not match the plan's geometry or holds a null address.
+std::vector<Piece> resolve(const Plan& plan, const std::vector<uint64_t>& src_bases,
+                           const std::vector<uint64_t>& dst_bases);
+
+// Splits resolved pieces into `parts` runs of (almost) equal bytes, cutting
+// pieces where needed. Both ends of a socket transfer split the same way.
+std::vector<std::vector<Piece>> split_even(const std::vector<Piece>& pieces, uint64_t total,
+                                           size_t parts);
+
+// ---- movers (all blocking; callers release the GIL) ----
+void copy_local(const Plan& plan, const std::vector<uint64_t>& src_bases,
+                const std::vector<uint64_t>& dst_bases, Control& ctl, int threads);
+void cma_read(int pid, const Plan& plan, const std::vector<uint64_t>& remote_src,
+              const std::vector<uint64_t>& local_dst, Control& ctl, int threads);
+void cma_write(int pid, const Plan& plan, const std::vector<uint64_t>& local_src,
+               const std::vector<uint64_t>& remote_dst, Control& ctl, int threads);
+// Returns 0 when process_vm_readv on pid works, else the errno.
+int cma_probe(int pid);
+long iov_max();
+
+void sock_send(const std::vector<int>& fds, const Plan& plan, const std::vector<uint64_t>& src_bases,
+               Control& ctl);
+void sock_recv(const std::vector<int>& fds, const Plan& plan, const std::vector<uint64_t>& dst_bases,
+               Control& ctl);
+
+// Runs fn(i) for i in [0, n) on n threads (the caller's thread takes i = 0) and
+// rethrows the first failure after every thread has returned; a failure on one
+// thread aborts the others through ctl.
+template <class Fn>
+void run_parallel(size_t n, Control& ctl, Fn fn);
+
+// ---- shared memory ----
+class ShmSegment {
+ public:
+  static ShmSegment* create(const std::string& name, uint64_t size);
+  static ShmSegment* open(const std::string& name, uint64_t size, bool writable);
+  ~ShmSegment();
+  const std::string& name() const { return name_; }
+  uint64_t size() const { return size_; }
+  uint64_t addr() const { return reinterpret_cast<uint64_t>(addr_); }
+  bool owner() const { return owner_; }
+  bool closed() const { return addr_ == nullptr; }
+  void close();
+  void unlink();
+
+ private:
+  ShmSegment() = default;
+  std::string name_;
+  uint64_t size_ = 0;
+  void* addr_ = nullptr;
+  bool owner_ = false;
+  bool unlinked_ = false;
+};
+
+}  // namespace aiodd
+
+#include "parallel.hpp"

@@ -1,0 +1,194 @@
+// Movers within one host: local memcpy and cross-process CMA.
+#include <limits.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <sstream>
+
+#include "core.hpp"
+
+namespace aiodd {
+
+namespace {
+
+// Below this a plan is copied on the calling thread: starting threads costs
+// more than it saves, and tiny pulls are dominated by per-call overhead.
+constexpr uint64_t kParallelMin = 8ull << 20;
+
+size_t thread_count(uint64_t total, int threads) {
+  if (threads <= 1 || total < kParallelMin) return 1;
+  uint64_t by_size = total / (kParallelMin / 2);
+  return static_cast<size_t>(std::max<uint64_t>(1, std::min<uint64_t>(threads, by_size)));
+}
+
+void copy_pieces(const std::vector<Piece>& pieces, Control& ctl) {
+  for (const Piece& p : pieces) {
+    uint64_t off = 0;
+    while (off < p.nbytes) {
+      ctl.check();
+      uint64_t n = std::min(kChunk, p.nbytes - off);
+      std::memcpy(reinterpret_cast<void*>(p.dst + off), reinterpret_cast<const void*>(p.src + off), n);
+      off += n;
+      ctl.add_done(n);
+    }
+  }
+}
+
+Status errno_status(int e) {
+  switch (e) {
+    case EPERM:
+    case EACCES:
+      return Status::PERMISSION_DENIED;
+    case ESRCH:
+      return Status::NO_SUCH_PROCESS;
+    case ENOMEM:
+      return Status::NO_MEMORY;
+    case EFAULT:
+      return Status::OUT_OF_RANGE;
+    default:
+      return Status::IO_ERROR;
+  }
+}
+
+[[noreturn]] void cma_fail(const char* what, int pid, int e) {
+  std::ostringstream os;
+  os << what << " on pid " << pid << " failed: " << std::strerror(e);
+  if (e == EPERM)
+    os << " (the kernel's ptrace policy refuses cross-process memory access; see "
+          "/proc/sys/kernel/yama/ptrace_scope, or use the shm or tcp data path)";
+  else if (e == ESRCH)
+    os << " (the peer process is gone)";
+  else if (e == EFAULT)
+    os << " (an address is not mapped in one of the processes: memory was freed or unregistered)";
+  throw Error(errno_status(e), os.str(), e);
+}
+
+// One thread's share of a CMA transfer: batches of up to IOV_MAX iovecs and
+// kChunk bytes per system call, resuming after partial transfers.
+void cma_pieces(int pid, const std::vector<Piece>& pieces, bool read, Control& ctl) {
+  const size_t max_iov = static_cast<size_t>(iov_max());
+  std::vector<struct iovec> local, remote;
+  local.reserve(max_iov);
+  remote.reserve(max_iov);
+  size_t idx = 0;
+  uint64_t used = 0;
+  while (idx < pieces.size()) {
+    ctl.check();
+    local.clear();
+    remote.clear();
+    uint64_t batch = 0;
+    size_t j = idx;
+    uint64_t u = used;
+    while (j < pieces.size() && local.size() < max_iov && batch < kChunk) {
+      const Piece& p = pieces[j];
+      uint64_t take = std::min(p.nbytes - u, kChunk - batch);
+      // read: local = dst, remote = src. write: local = src, remote = dst.
+      uint64_t l = read ? p.dst + u : p.src + u;
+      uint64_t r = read ? p.src + u : p.dst + u;
+      local.push_back({reinterpret_cast<void*>(l), take});
+      remote.push_back({reinterpret_cast<void*>(r), take});
+      batch += take;
+      u += take;
+      if (u == p.nbytes) {
+        ++j;
+        u = 0;
+      }
+    }
+    // Issue the batch; a partial result moves the window forward and retries.
+    size_t first = 0;
+    uint64_t left = batch;
+    while (left > 0) {
+      ssize_t n = read ? process_vm_readv(pid, &local[first], local.size() - first, &remote[first],
+                                          remote.size() - first, 0)
+                       : process_vm_writev(pid, &local[first], local.size() - first, &remote[first],
+                                           remote.size() - first, 0);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        cma_fail(read ? "process_vm_readv" : "process_vm_writev", pid, errno);
+      }
+      if (n == 0) cma_fail(read ? "process_vm_readv" : "process_vm_writev", pid, EFAULT);
+      uint64_t got = static_cast<uint64_t>(n);
+      left -= got;
+      ctl.add_done(got);
+      while (got > 0) {
+        uint64_t len = local[first].iov_len;
+        if (got >= len) {
+          got -= len;
+          ++first;
+        } else {
+          local[first].iov_base = static_cast<char*>(local[first].iov_base) + got;
+          remote[first].iov_base = static_cast<char*>(remote[first].iov_base) + got;
+          local[first].iov_len -= got;
+          remote[first].iov_len -= got;
+          got = 0;
+        }
+      }
+      if (left > 0) ctl.check();
+    }
+    idx = j;
+    used = u;
+  }
+}
+
+void cma_run(int pid, const std::vector<Piece>& pieces, uint64_t total, bool read, Control& ctl, int threads) {
+  if (pid <= 0) throw Error(Status::PARAM_INVALID, "pid must be > 0");
+  ctl.set_total(total);
+  size_t n = thread_count(total, threads);
+  if (n == 1) {
+    cma_pieces(pid, pieces, read, ctl);
+    return;
+  }
+  auto parts = split_even(pieces, total, n);
+  run_parallel(n, ctl, [&](size_t i) { cma_pieces(pid, parts[i], read, ctl); });
+}
+
+std::vector<Piece> resolve_both(const Plan& plan, const std::vector<uint64_t>& src,
+                                const std::vector<uint64_t>& dst) {
+  if (src.empty() || dst.empty()) throw Error(Status::PARAM_INVALID, "both address lists are required");
+  return resolve(plan, src, dst);
+}
+
+}  // namespace
+
+long iov_max() {
+  long v = sysconf(_SC_IOV_MAX);
+  return v > 0 ? v : IOV_MAX;
+}
+
+void copy_local(const Plan& plan, const std::vector<uint64_t>& src_bases, const std::vector<uint64_t>& dst_bases,
+                Control& ctl, int threads) {
+  std::vector<Piece> pieces = resolve_both(plan, src_bases, dst_bases);
+  ctl.set_total(plan.total_bytes());
+  size_t n = thread_count(plan.total_bytes(), threads);
+  if (n == 1) {
+    copy_pieces(pieces, ctl);
+    return;
+  }
+  auto parts = split_even(pieces, plan.total_bytes(), n);
+  run_parallel(n, ctl, [&](size_t i) { copy_pieces(parts[i], ctl); });
+}
+
+void cma_read(int pid, const Plan& plan, const std::vector<uint64_t>& remote_src,
+              const std::vector<uint64_t>& local_dst, Control& ctl, int threads) {
+  cma_run(pid, resolve_both(plan, remote_src, local_dst), plan.total_bytes(), true, ctl, threads);
+}
+
+void cma_write(int pid, const Plan& plan, const std::vector<uint64_t>& local_src,
+               const std::vector<uint64_t>& remote_dst, Control& ctl, int threads) {
+  cma_run(pid, resolve_both(plan, local_src, remote_dst), plan.total_bytes(), false, ctl, threads);
+}
+
+int cma_probe(int pid) {
+  // Address 1 is never mapped: EFAULT means the kernel let us in (the
+  // permission check comes first), EPERM / ESRCH say why it would not.
+  char byte;
+  struct iovec l{&byte, 1}, r{reinterpret_cast<void*>(1), 1};
+  ssize_t n = process_vm_readv(pid, &l, 1, &r, 1, 0);
+  if (n >= 0 || errno == EFAULT) return 0;
+  return errno;
+}
+
+}  // namespace aiodd
