@@ -1,6 +1,7 @@
 // The only file that includes pybind11: exposes the native core as
 // aiodatadist._native. Every blocking call releases the GIL.
 #include <pybind11/eval.h>
+#include <pybind11/native_enum.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -37,7 +38,7 @@ PYBIND11_MODULE(_native, m) {
   m.attr("IOV_MAX") = iov_max();
   m.attr("CHUNK_BYTES") = kChunk;
 
-  py::enum_<Status>(m, "Status")
+  py::native_enum<Status>(m, "Status", "enum.IntEnum")
       .value("OK", Status::OK)
       .value("FAILED", Status::FAILED)
       .value("PARAM_INVALID", Status::PARAM_INVALID)
@@ -49,7 +50,8 @@ PYBIND11_MODULE(_native, m) {
       .value("NO_SUCH_PROCESS", Status::NO_SUCH_PROCESS)
       .value("PEER_CLOSED", Status::PEER_CLOSED)
       .value("IO_ERROR", Status::IO_ERROR)
-      .value("NO_MEMORY", Status::NO_MEMORY);
+      .value("NO_MEMORY", Status::NO_MEMORY)
+      .finalize();
 
   py::exec(kNativeErrorSrc, m.attr("__dict__"));
   g_native_error = m.attr("NativeError");
@@ -149,7 +151,14 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("pid"));
 
-  py::class_<ShmSegment, std::unique_ptr<ShmSegment>>(m, "ShmSegment")
+  // The buffer protocol lets numpy views keep a segment mapped: a segment is
+  // unmapped by close() or, when nothing refers to it any more, by its destructor.
+  py::class_<ShmSegment, std::unique_ptr<ShmSegment>>(m, "ShmSegment", py::buffer_protocol())
+      .def_buffer([](ShmSegment& s) -> py::buffer_info {
+        if (s.closed()) throw Error(Status::PARAM_INVALID, "shm segment '" + s.name() + "' is closed");
+        return py::buffer_info(reinterpret_cast<void*>(s.addr()), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(s.size())}, {py::ssize_t{1}}, !s.writable());
+      })
       .def_static("create", &ShmSegment::create, py::arg("name"), py::arg("size"))
       .def_static("open", &ShmSegment::open, py::arg("name"), py::arg("size"), py::arg("writable") = false)
       .def_property_readonly("name", &ShmSegment::name)
@@ -157,6 +166,7 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("addr", &ShmSegment::addr)
       .def_property_readonly("owner", &ShmSegment::owner)
       .def_property_readonly("closed", &ShmSegment::closed)
+      .def_property_readonly("writable", &ShmSegment::writable)
       .def("close", &ShmSegment::close)
       .def("unlink", &ShmSegment::unlink)
       .def("__repr__", [](const ShmSegment& s) {

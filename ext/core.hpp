@@ -166,6 +166,7 @@ class ShmSegment {
   uint64_t size() const { return size_; }
   uint64_t addr() const { return reinterpret_cast<uint64_t>(addr_); }
   bool owner() const { return owner_; }
+  bool writable() const { return writable_; }
   bool closed() const { return addr_ == nullptr; }
   void close();
   void unlink();
@@ -176,6 +177,7 @@ class ShmSegment {
   uint64_t size_ = 0;
   void* addr_ = nullptr;
   bool owner_ = false;
+  bool writable_ = true;
   bool unlinked_ = false;
 };
 

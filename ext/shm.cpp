@@ -88,6 +88,7 @@ ShmSegment* ShmSegment::open(const std::string& name, uint64_t size, bool writab
   seg->size_ = size;
   seg->addr_ = addr;
   seg->owner_ = false;
+  seg->writable_ = writable;
   return seg.release();
 }
 

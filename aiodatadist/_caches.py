@@ -1,0 +1,226 @@
+"""Cache entries and the cache table an instance serves to its peers.
+
+A :class:`CacheEntry` describes one registered or allocated cache: its
+geometry (tensors x blocks x block bytes), tensor addresses, the keys that
+name it, and, for allocated caches, the shared-memory segment that holds it.
+The same class describes a peer's cache seen over a link (then ``local`` is
+False and the addresses are in the peer's address space).
+
+Index rules follow upstream (reference section 6.4): a blocks cache is indexed
+by ``model_id`` only and the last registration wins; a non-block cache row is
+indexed by ``(req_id or prefix_id, model_id)``; every cache by ``cache_id``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _native
+from .errors import LLMException, LLMStatusCode, format_error
+from .types import CacheDesc, KvCache
+
+__all__ = ["CacheEntry", "CacheTable", "RowKey"]
+
+RowKey = tuple[int, int]
+"""``(req_id or prefix_id, model_id)`` naming one row of a non-block cache."""
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    """One cache as the transfer engine sees it."""
+
+    cache_id: int
+    num_tensors: int
+    num_blocks: int
+    block_bytes: int
+    is_blocks: bool
+    addrs: list[int]
+    data_type: int = 0
+    shape: tuple[int, ...] = ()
+    model_id: int | None = None
+    row_keys: dict[RowKey, int] = field(default_factory=dict)
+    shm_name: str | None = None
+    shm_size: int = 0
+    shm_offsets: list[int] = field(default_factory=list)
+    local: bool = True
+    # Local-only state.
+    cache: KvCache | None = None
+    buffers: list[Any] | None = None
+    segment: _native.ShmSegment | None = None
+    freed: bool = False
+    _busy: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def for_cache(cls, cache: KvCache, desc: CacheDesc, addrs: list[int]) -> CacheEntry:
+        shape = tuple(desc.shape)
+        return cls(
+            cache_id=cache.cache_id,
+            num_tensors=desc.num_tensors,
+            num_blocks=shape[0],
+            block_bytes=desc.size // shape[0],
+            is_blocks=cache.is_blocks_cache,
+            addrs=list(addrs),
+            data_type=desc.data_type.value,
+            shape=shape,
+            cache=cache,
+        )
+
+    @property
+    def geometry(self) -> _native.Geometry:
+        return _native.Geometry(self.num_tensors, self.num_blocks, self.block_bytes)
+
+    @property
+    def tensor_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def busy(self) -> int:
+        """Transfers using this cache right now (either side of a link in this process)."""
+        return self._busy
+
+    def hold(self, api: str) -> None:
+        """Marks one more transfer as using this cache.
+
+        Raises:
+            LLMCacheNotFoundError: the cache was freed or unregistered.
+        """
+        with self._lock:
+            if self.freed:
+                raise LLMException(
+                    format_error(api, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                                 f"cache {self.cache_id} was unregistered"),
+                    status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                )
+            self._busy += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._busy -= 1
+
+    def mark_freed(self, api: str) -> None:
+        """Marks the entry unusable; refuses while transfers still use it.
+
+        Raises:
+            LLMLinkError: LLM_LINK_BUSY while transfers are in flight.
+        """
+        with self._lock:
+            if self._busy:
+                raise LLMException(
+                    format_error(api, LLMStatusCode.LLM_LINK_BUSY,
+                                 f"cache {self.cache_id} is used by {self._busy} transfer(s) in "
+                                 "flight; await them before freeing it"),
+                    status_code=LLMStatusCode.LLM_LINK_BUSY,
+                )
+            self.freed = True
+
+    def describe(self) -> dict[str, Any]:
+        """The wire description a peer needs (no local-only state)."""
+        return {
+            "cache_id": self.cache_id,
+            "num_tensors": self.num_tensors,
+            "num_blocks": self.num_blocks,
+            "block_bytes": self.block_bytes,
+            "is_blocks": self.is_blocks,
+            "addrs": list(self.addrs),
+            "data_type": self.data_type,
+            "shape": list(self.shape),
+            "model_id": self.model_id,
+            "row_keys": [[k[0], k[1], row] for k, row in self.row_keys.items()],
+            "shm_name": self.shm_name,
+            "shm_size": self.shm_size,
+            "shm_offsets": list(self.shm_offsets),
+        }
+
+    @classmethod
+    def from_description(cls, d: dict[str, Any]) -> CacheEntry:
+        return cls(
+            cache_id=int(d["cache_id"]),
+            num_tensors=int(d["num_tensors"]),
+            num_blocks=int(d["num_blocks"]),
+            block_bytes=int(d["block_bytes"]),
+            is_blocks=bool(d["is_blocks"]),
+            addrs=[int(a) for a in d["addrs"]],
+            data_type=int(d["data_type"]),
+            shape=tuple(int(s) for s in d["shape"]),
+            model_id=None if d["model_id"] is None else int(d["model_id"]),
+            row_keys={(int(a), int(b)): int(r) for a, b, r in d["row_keys"]},
+            shm_name=d["shm_name"],
+            shm_size=int(d["shm_size"]),
+            shm_offsets=[int(o) for o in d["shm_offsets"]],
+            local=False,
+        )
+
+
+class CacheTable:
+    """The caches one instance registered, with upstream's indices."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, CacheEntry] = {}
+        self._blocks: dict[int, CacheEntry] = {}
+        self._rows: dict[RowKey, tuple[CacheEntry, int]] = {}
+        self.version = 0  # bumped on every change; peers compare it
+
+    def __iter__(self) -> Iterator[CacheEntry]:
+        return iter(list(self._by_id.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def add(self, entry: CacheEntry) -> None:
+        self._by_id[entry.cache_id] = entry
+        if entry.model_id is not None:
+            # Upstream indexes a blocks cache by model_id alone: the last registration wins.
+            self._blocks[entry.model_id] = entry
+        for key, row in entry.row_keys.items():
+            self._rows[key] = (entry, row)
+        self.version += 1
+
+    def remove(self, cache_id: int) -> CacheEntry | None:
+        entry = self._by_id.pop(cache_id, None)
+        if entry is None:
+            return None
+        if entry.model_id is not None and self._blocks.get(entry.model_id) is entry:
+            del self._blocks[entry.model_id]
+        for key in list(entry.row_keys):
+            if self._rows.get(key, (None, 0))[0] is entry:
+                del self._rows[key]
+        self.version += 1
+        return entry
+
+    def remove_row_key(self, key: RowKey) -> None:
+        hit = self._rows.pop(key, None)
+        if hit is not None:
+            hit[0].row_keys.pop(key, None)
+            self.version += 1
+
+    def by_id(self, cache_id: int) -> CacheEntry | None:
+        return self._by_id.get(cache_id)
+
+    def blocks(self, model_id: int) -> CacheEntry | None:
+        return self._blocks.get(model_id)
+
+    def row(self, key: RowKey) -> tuple[CacheEntry, int] | None:
+        return self._rows.get(key)
+
+    def containing(self, addr: int, nbytes: int) -> tuple[CacheEntry, int, int] | None:
+        """The (entry, tensor index, offset) whose tensor holds ``[addr, addr + nbytes)``."""
+        for entry in self._by_id.values():
+            size = entry.tensor_bytes
+            for t, base in enumerate(entry.addrs):
+                if base <= addr and addr + nbytes <= base + size:
+                    return entry, t, addr - base
+        return None
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [e.describe() for e in self._by_id.values()]
+
+    @classmethod
+    def from_description(cls, items: list[dict[str, Any]]) -> CacheTable:
+        table = cls()
+        for d in items:
+            table.add(CacheEntry.from_description(d))
+        return table

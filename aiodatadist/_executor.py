@@ -1,0 +1,216 @@
+"""The dedicated transfer executor: named threads that run native jobs.
+
+Every transfer runs here, never on the loop's default executor. A job is a
+blocking callable taking a :class:`~aiodatadist._native.Control`; the native
+movers release the GIL, so the event loop keeps running while bytes move.
+
+Completion wakes the awaiting task through ``loop.call_soon_threadsafe``: no
+polling. A deadline is a loop timer that sets the job's abort token; a cancel
+sets it too. In both cases :meth:`TransferExecutor.run` waits until the native
+job has really returned before it raises (the quiescence rule), so the memory
+and the link a job uses are never released under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Final
+
+from . import _native
+from .errors import LLMException, LLMStatusCode, format_error, from_native
+
+__all__ = ["Job", "TransferExecutor"]
+
+log = logging.getLogger("aiodatadist.executor")
+
+Job = Callable[[_native.Control], Any]
+
+_STOP: Final = object()
+_pool_ids = itertools.count(1)
+
+
+class _Work:
+    __slots__ = ("control", "future", "job", "loop")
+
+    def __init__(
+        self,
+        job: Job,
+        control: _native.Control,
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future[Any],
+    ) -> None:
+        self.job = job
+        self.control = control
+        self.loop = loop
+        self.future = future
+
+
+def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if fut.done():
+        return
+    if ok:
+        fut.set_result(value)
+    else:
+        fut.set_exception(value)
+
+
+class TransferExecutor:
+    """A fixed pool of named threads running native transfer jobs.
+
+    Args:
+        threads: number of worker threads (jobs beyond that wait in FIFO order).
+        name: a label used in the thread names (``aiodatadist-<name>-<i>``).
+    """
+
+    def __init__(self, threads: int = 2, name: str = "xfer") -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self._queue: queue.SimpleQueue[_Work | object] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._idle = threading.Condition(self._lock)
+        self._closed = False
+        pool = next(_pool_ids)
+        self._threads = [
+            threading.Thread(
+                target=self._worker, name=f"aiodatadist-{name}-{pool}-{i}", daemon=True
+            )
+            for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return list(self._threads)
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs submitted and not yet returned from native code."""
+        return self._in_flight
+
+    def _worker(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            assert isinstance(item, _Work)
+            try:
+                if item.control.aborted:
+                    # Its deadline passed (or it was cancelled) while queued.
+                    raise _native.NativeError(_native.Status.ABORTED, "aborted before it started")
+                value = item.job(item.control)
+                ok = True
+            except BaseException as exc:  # delivered to the awaiting task
+                value, ok = exc, False
+            with self._lock:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self._idle.notify_all()
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+                item.loop.call_soon_threadsafe(_settle, item.future, ok, value)
+            del item, value
+
+    def submit(self, job: Job, control: _native.Control) -> asyncio.Future[Any]:
+        """Queues ``job``; returns a loop future settled when it has returned."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        with self._lock:
+            if self._closed:
+                raise LLMException(
+                    "the transfer executor is shut down (finalize was called)",
+                    status_code=LLMStatusCode.LLM_FAILED,
+                )
+            self._in_flight += 1
+        self._queue.put(_Work(job, control, loop, fut))
+        return fut
+
+    async def run(
+        self,
+        job: Job,
+        *,
+        deadline: float | None,
+        api: str,
+        control: _native.Control | None = None,
+    ) -> Any:
+        """Runs ``job`` on a worker thread and returns its result.
+
+        Args:
+            job: blocking callable taking the job's ``Control``.
+            deadline: absolute ``loop.time()`` after which the job is aborted, or None.
+            api: the public API name, used in error messages.
+            control: an existing abort/progress token, or None for a new one.
+
+        Raises:
+            LLMTimeoutError: the deadline passed; the native job has returned by then.
+            LLMException: the native job failed (status from the native status table).
+            asyncio.CancelledError: the awaiting task was cancelled; raised only after
+                the native job has returned.
+        """
+        loop = asyncio.get_running_loop()
+        ctl = control if control is not None else _native.Control()
+        fut = self.submit(job, ctl)
+        expired = False
+
+        def on_deadline() -> None:
+            nonlocal expired
+            expired = True
+            ctl.abort()
+
+        timer = loop.call_at(deadline, on_deadline) if deadline is not None else None
+        cancelled = False
+        try:
+            while not fut.done():
+                try:
+                    await asyncio.shield(fut)
+                except asyncio.CancelledError:
+                    if fut.done() and not fut.cancelled():
+                        # Finished in the same iteration as the cancel: honour the cancel.
+                        cancelled = True
+                        break
+                    # Abort and keep waiting: the slot and the buffers stay held
+                    # until native code has let go of them.
+                    cancelled = True
+                    ctl.abort()
+                except BaseException:
+                    break
+        finally:
+            if timer is not None:
+                timer.cancel()
+        exc = fut.exception()
+        if cancelled:
+            raise asyncio.CancelledError()
+        if exc is None:
+            return fut.result()
+        if isinstance(exc, _native.NativeError):
+            if exc.status == _native.Status.ABORTED and expired:
+                raise LLMException(
+                    format_error(api, LLMStatusCode.LLM_TIMEOUT,
+                                 f"deadline passed after {ctl.bytes_done} of {ctl.total} bytes"),
+                    status_code=LLMStatusCode.LLM_TIMEOUT,
+                ) from None
+            raise from_native(exc, api) from exc
+        raise exc
+
+    def shutdown(self, timeout: float | None = 5.0) -> bool:
+        """Stops accepting work, waits up to ``timeout`` s for running jobs, stops the threads.
+
+        Returns True when every job had returned in time.
+        """
+        with self._lock:
+            self._closed = True
+            idle = self._idle.wait_for(lambda: self._in_flight == 0, timeout)
+        for _ in self._threads:
+            self._queue.put(_STOP)
+        if idle:
+            for t in self._threads:
+                t.join(timeout)
+        else:
+            log.warning("executor shut down with %d job(s) still running", self._in_flight)
+        return idle

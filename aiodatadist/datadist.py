@@ -1,0 +1,371 @@
+"""``LLMDataDist``: one instance (one cluster id) with its executor, links and caches.
+
+Unlike upstream, several instances may live in one process, so a prompt and a
+decoder can be paired inside one test or one embedded program; instances in
+one process link through the ``inproc`` data path.
+
+Threads: an instance belongs to the event loop that awaited ``init``. A
+coroutine of the instance awaited on another loop (in another thread) is run
+on the owner loop and its result handed back (a safe bridge); a cancel on the
+awaiting side cancels it there. If the owner loop is not running any more, the
+call raises ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+from ._bridge import bridged
+from ._executor import TransferExecutor
+from ._validate import check_int, check_type, check_uint
+from .cache_manager import CacheManager
+from .config import Options, parse_options
+from .errors import LLMException, LLMStatusCode, format_error
+from .links import Link, LinkRegistry, _FifoSlot
+from .transports.inproc import InprocChannel
+from .types import LLMClusterInfo, LLMRole
+
+__all__ = ["LLMDataDist"]
+
+log = logging.getLogger("aiodatadist.datadist")
+
+_MAX_CLUSTERS_PER_CALL = 16
+
+# Initialized instances of this process, by cluster id, for in-process links.
+_instances: weakref.WeakValueDictionary[int, LLMDataDist] = weakref.WeakValueDictionary()
+
+
+class LLMDataDist:
+    """One LLM-DataDist instance: ``LLMDataDist(role, cluster_id)``, then ``await init(options)``.
+
+    Args:
+        role: ``LLMRole.PROMPT`` (prefill), ``DECODER`` or ``MIX``.
+        cluster_id: uint64 naming this instance; unique among everything that links.
+
+    Use as ``async with LLMDataDist(...) as dd:`` (init with no options; finalize at exit),
+    or call ``await dd.init(options)`` / ``await dd.finalize()``.
+    """
+
+    def __init__(self, role: LLMRole, cluster_id: int) -> None:
+        check_type("role", role, LLMRole)
+        self._role = LLMRole(role)
+        self._cluster_id = check_uint("cluster_id", cluster_id, 64)
+        self._options = Options()
+        self._initialized = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._executor: TransferExecutor | None = None
+        self._callbacks: TransferExecutor | None = None
+        self._registry = LinkRegistry(self._cluster_id)
+        self._cache_manager: CacheManager | None = None
+        self._lifecycle = asyncio.Lock()
+        self._server: Any = None
+
+    # ----------------------------------------------------------- properties
+
+    @property
+    def role(self) -> LLMRole:
+        return self._role
+
+    @property
+    def cluster_id(self) -> int:
+        return self._cluster_id
+
+    @property
+    def options(self) -> Options:
+        """The parsed options of the last ``init``."""
+        return self._options
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._initialized
+
+    @property
+    def cache_manager(self) -> CacheManager:
+        """The instance's :class:`CacheManager`.
+
+        Raises:
+            RuntimeError: ``init`` has not completed (upstream's message).
+        """
+        self._require_initialized()
+        assert self._cache_manager is not None
+        return self._cache_manager
+
+    @property
+    def kv_cache_manager(self) -> CacheManager:
+        """Alias of :attr:`cache_manager`."""
+        return self.cache_manager
+
+    @property
+    def links(self) -> list[Link]:
+        """The active links, one per remote cluster."""
+        return list(self._registry)
+
+    def _home_loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop
+
+    def _require_initialized(self) -> None:
+        if not self._initialized:
+            raise RuntimeError("llm datadist is not initialized")
+
+    def _executor_or_raise(self) -> TransferExecutor:
+        self._require_initialized()
+        assert self._executor is not None
+        return self._executor
+
+    def _callbacks_or_raise(self) -> TransferExecutor:
+        self._require_initialized()
+        if self._callbacks is None:
+            self._callbacks = TransferExecutor(1, name=f"{self._cluster_id}-sync")
+        return self._callbacks
+
+    def _table_changed(self) -> None:
+        """A registration changed: peers over cross-process links hear about it."""
+        if self._server is not None:
+            self._server.table_changed()
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def init(self, options: dict[str, str] | None = None) -> None:
+        """Initializes the instance: executor, cache manager and, with
+        ``llm.listenIpInfo``, the link server. Idempotent.
+
+        Raises:
+            TypeError, LLMParamError: bad options.
+            LLMException: LLM_FAILED when another initialized instance of this process
+                already uses this cluster id.
+        """
+        check_type("options", options if options is not None else {}, dict)
+        async with self._lifecycle:
+            if self._initialized:
+                return
+            opts = parse_options(options or {})
+            other = _instances.get(self._cluster_id)
+            if other is not None and other is not self and other._initialized:
+                raise LLMException(
+                    format_error("init", LLMStatusCode.LLM_FAILED,
+                                 f"cluster_id {self._cluster_id} is already used by another "
+                                 "initialized instance in this process"),
+                    status_code=LLMStatusCode.LLM_FAILED,
+                )
+            self._options = opts
+            self._loop = asyncio.get_running_loop()
+            self._executor = TransferExecutor(opts.executor_threads, name=str(self._cluster_id))
+            self._cache_manager = CacheManager(self)
+            self._registry = LinkRegistry(self._cluster_id)
+            if opts.listen_ip is not None:
+                try:
+                    self._server = await self._start_server(opts)
+                except BaseException:
+                    self._executor.shutdown(0)
+                    self._executor = None
+                    raise
+            self._initialized = True
+            _instances[self._cluster_id] = self
+            log.debug("initialized %s cluster %d", self._role.name, self._cluster_id)
+
+    async def _start_server(self, opts: Options) -> Any:
+        raise LLMException(
+            format_error("init", LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                         "listen_ip_info needs the cross-process control plane"),
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        )
+
+    @bridged
+    async def finalize(self) -> None:
+        """Unlinks everything, waits (bounded by ``aiodatadist.FinalizeTimeout``) for
+        transfers in flight, stops the executor and frees allocated caches. Idempotent.
+
+        A cache still used by a native job when the bound passes is not freed (it is
+        leaked rather than freed under the job), and a warning is logged.
+        """
+        async with self._lifecycle:
+            if not self._initialized:
+                return
+            self._initialized = False
+            if _instances.get(self._cluster_id) is self:
+                del _instances[self._cluster_id]
+            assert self._cache_manager is not None and self._executor is not None
+            await self._cache_manager._shutdown()
+            for link in list(self._registry):
+                await self._drop_link(link, notify=True)
+            if self._server is not None:
+                await self._server.close()
+                self._server = None
+            bound = self._options.finalize_timeout_ms / 1000
+            loop = asyncio.get_running_loop()
+            executor = self._executor
+            idle = await loop.run_in_executor(None, executor.shutdown, bound)
+            if self._callbacks is not None:
+                self._callbacks.shutdown(0)
+                self._callbacks = None
+            if not idle:
+                log.warning("finalize: transfers still running after %.1f s", bound)
+            self._cache_manager._free_all()
+            self._executor = None
+
+    async def __aenter__(self) -> LLMDataDist:
+        await self.init()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.finalize()
+
+    # ---------------------------------------------------------------- links
+
+    @staticmethod
+    def _check_clusters(api: str, clusters: object, timeout: object) -> list[LLMClusterInfo]:
+        check_type("clusters", clusters, (list, tuple))
+        assert isinstance(clusters, (list, tuple))
+        for i, c in enumerate(clusters):
+            check_type(f"clusters[{i}]", c, LLMClusterInfo)
+            if c.remote_cluster_id is None:
+                raise LLMException(
+                    format_error(api, LLMStatusCode.LLM_PARAM_INVALID,
+                                 f"clusters[{i}].remote_cluster_id is not set"),
+                    status_code=LLMStatusCode.LLM_PARAM_INVALID,
+                )
+        check_int("timeout", timeout, min_value=1, max_value=2**31 - 1)
+        return list(clusters)
+
+    @bridged
+    async def link_clusters(
+        self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Links to each cluster; returns ``(status, [status per cluster])``, never raises
+        on a failed link (the overall status is the last failure, else LLM_SUCCESS).
+
+        A cluster whose instance lives in this process (initialized, same event loop) is
+        linked in-process; others are reached at their ``remote_ip_info``.
+
+        Args:
+            clusters: at most 16 ``LLMClusterInfo``.
+            timeout: milliseconds for each link.
+
+        Raises:
+            TypeError, LLMParamError: bad arguments (no link is attempted).
+        """
+        api = "link_clusters"
+        self._require_initialized()
+        infos = self._check_clusters(api, clusters, timeout)
+        if len(infos) > _MAX_CLUSTERS_PER_CALL:
+            return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, [
+                LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
+            ] * len(infos)
+        results = await asyncio.gather(*(self._link_one(c, timeout) for c in infos))
+        return self._overall(results), list(results)
+
+    @staticmethod
+    def _overall(results: Sequence[LLMStatusCode]) -> LLMStatusCode:
+        overall = LLMStatusCode.LLM_SUCCESS
+        for r in results:
+            if r != LLMStatusCode.LLM_SUCCESS:
+                overall = r
+        return overall
+
+    async def _link_one(self, info: LLMClusterInfo, timeout_ms: int) -> LLMStatusCode:
+        remote_id = info.remote_cluster_id
+        assert remote_id is not None
+        if remote_id == self._cluster_id:
+            log.warning("link_clusters: cannot link cluster %d to itself", remote_id)
+            return LLMStatusCode.LLM_PARAM_INVALID
+        if remote_id in self._registry:
+            return LLMStatusCode.LLM_ALREADY_LINK
+        peer = _instances.get(remote_id)
+        forced = self._options.data_path
+        if peer is not None and peer._initialized and forced in ("auto", "inproc"):
+            return self._link_inproc(peer)
+        try:
+            return await self._link_remote(info, timeout_ms)
+        except LLMException as e:
+            log.warning("link to cluster %d failed: %s", remote_id, e)
+            return e.status_code
+
+    def _link_inproc(self, peer: LLMDataDist) -> LLMStatusCode:
+        if peer._loop is not self._loop:
+            log.warning(
+                "link_clusters: cluster %d lives on another event loop; in-process links "
+                "need both instances on one loop", peer.cluster_id,
+            )
+            return LLMStatusCode.LLM_LINK_FAILED
+        if self._cluster_id in peer._registry:
+            return LLMStatusCode.LLM_ALREADY_LINK
+        assert self._cache_manager is not None and peer._cache_manager is not None
+        slot = _FifoSlot()  # one slot for both ends: upstream's per-link mutex
+        mine = Link(self._cluster_id, peer.cluster_id, InprocChannel(peer._cache_manager.table), slot)
+        theirs = Link(peer.cluster_id, self._cluster_id, InprocChannel(self._cache_manager.table), slot)
+        self._registry.add(mine)
+        peer._registry.add(theirs)
+        log.debug("linked %d <-> %d in-process", self._cluster_id, peer.cluster_id)
+        return LLMStatusCode.LLM_SUCCESS
+
+    async def _link_remote(self, info: LLMClusterInfo, timeout_ms: int) -> LLMStatusCode:
+        if not info.remote_ip_info_list:
+            log.warning(
+                "link_clusters: cluster %s is not in this process and has no remote_ip_info",
+                info.remote_cluster_id,
+            )
+            return LLMStatusCode.LLM_LINK_FAILED
+        return LLMStatusCode.LLM_LINK_FAILED
+
+    async def _drop_link(self, link: Link, *, notify: bool) -> None:
+        """Closes a link at once (queued transfers then see LLM_NOT_YET_LINK)."""
+        self._registry.remove(link)
+        if isinstance(link.channel, InprocChannel):
+            peer = _instances.get(link.remote_cluster_id)
+            if peer is not None:
+                other = peer._registry.find(self._cluster_id)
+                if other is not None and other.slot is link.slot:
+                    peer._registry.remove(other)
+        await link.channel.close()
+
+    @bridged
+    async def unlink_clusters(
+        self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000, force: bool = False
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Unlinks each cluster; returns ``(status, [status per cluster])`` like ``link_clusters``.
+
+        Unlink takes its place in the link's FIFO: transfers queued before it finish,
+        transfers queued after it fail with LLM_NOT_YET_LINK. ``force=True`` closes the
+        link at once without waiting for the slot (transfers in flight still finish
+        their native job first; they are not freed under it).
+
+        Returns LLM_NOT_YET_LINK for a cluster that is not linked, LLM_TIMEOUT when the
+        link stayed busy past ``timeout`` ms.
+        """
+        api = "unlink_clusters"
+        self._require_initialized()
+        infos = self._check_clusters(api, clusters, timeout)
+        check_type("force", force, bool)
+        results = await asyncio.gather(*(self._unlink_one(c, timeout, force) for c in infos))
+        return self._overall(results), list(results)
+
+    async def _unlink_one(self, info: LLMClusterInfo, timeout_ms: int, force: bool) -> LLMStatusCode:
+        remote_id = info.remote_cluster_id
+        assert remote_id is not None
+        link = self._registry.find(remote_id)
+        if link is None:
+            return LLMStatusCode.LLM_NOT_YET_LINK
+        if force:
+            await self._drop_link(link, notify=False)
+            return LLMStatusCode.LLM_SUCCESS
+        deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
+        try:
+            async with link.exclusive(deadline, "unlink_clusters"):
+                await self._drop_link(link, notify=True)
+        except LLMException as e:
+            return e.status_code
+        return LLMStatusCode.LLM_SUCCESS
+
+    def __repr__(self) -> str:
+        state = "initialized" if self._initialized else "not initialized"
+        return f"<LLMDataDist {self._role.name} cluster_id={self._cluster_id} {state}>"

@@ -1,0 +1,159 @@
+"""The link registry: one :class:`Link` per remote cluster.
+
+Every operation that moves bytes over a link (``pull_blocks``, ``pull_cache``,
+each layer of ``transfer_cache_async``) and ``unlink_clusters`` takes the
+link's FIFO slot first, so upstream's rule "not concurrently on one link" holds
+by construction, while different links run in parallel. The slot is held until
+the native job has returned, even when the caller timed out or was cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from .errors import LLMException, LLMStatusCode, format_error
+
+if TYPE_CHECKING:
+    from .transports.base import Channel
+
+__all__ = ["Link", "LinkRegistry", "LinkState"]
+
+log = logging.getLogger("aiodatadist.links")
+
+
+class LinkState(enum.Enum):
+    ACTIVE = "active"
+    CLOSED = "closed"
+
+
+class _FifoSlot:
+    """A FIFO mutex for one event loop, acquired under an absolute deadline."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()  # asyncio.Lock hands over in FIFO order, without barging
+
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
+
+    async def acquire(self, deadline: float | None, api: str) -> None:
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._lock.acquire()
+        except TimeoutError:
+            raise LLMException(
+                format_error(api, LLMStatusCode.LLM_TIMEOUT,
+                             "deadline passed while waiting for the link (other transfers hold it)"),
+                status_code=LLMStatusCode.LLM_TIMEOUT,
+            ) from None
+
+    def release(self) -> None:
+        self._lock.release()
+
+
+class Link:
+    """A link to one remote cluster: its state, data channel and FIFO slot.
+
+    Attributes:
+        local_cluster_id: this instance's cluster id.
+        remote_cluster_id: the peer's cluster id (keys name it).
+        channel: the data path (``inproc``, ``shm``, ``cma``, ``tcp``).
+    """
+
+    def __init__(
+        self,
+        local_cluster_id: int,
+        remote_cluster_id: int,
+        channel: Channel,
+        slot: _FifoSlot | None = None,
+    ) -> None:
+        self.local_cluster_id = local_cluster_id
+        self.remote_cluster_id = remote_cluster_id
+        self.channel = channel
+        self.state = LinkState.ACTIVE
+        # Both ends of an in-process link share one slot, so a pull on one side
+        # and transfer_cache_async on the other never overlap.
+        self.slot = slot if slot is not None else _FifoSlot()
+        self.transfers = 0  # completed transfers, for stats
+
+    @property
+    def data_path(self) -> str:
+        return self.channel.name
+
+    @asynccontextmanager
+    async def exclusive(self, deadline: float | None, api: str) -> AsyncIterator[Link]:
+        """Holds the link's FIFO slot; raises LLM_NOT_YET_LINK once it is closed.
+
+        Raises:
+            LLMTimeoutError: the deadline passed while waiting for the slot.
+            LLMLinkError: the link was closed (unlinked) while waiting.
+        """
+        await self.slot.acquire(deadline, api)
+        try:
+            if self.state is not LinkState.ACTIVE:
+                raise LLMException(
+                    format_error(api, LLMStatusCode.LLM_NOT_YET_LINK,
+                                 f"the link to cluster {self.remote_cluster_id} was closed"),
+                    status_code=LLMStatusCode.LLM_NOT_YET_LINK,
+                )
+            yield self
+        finally:
+            self.slot.release()
+
+    def __repr__(self) -> str:
+        return (
+            f"<Link {self.local_cluster_id}->{self.remote_cluster_id} "
+            f"{self.data_path} {self.state.value}>"
+        )
+
+
+class LinkRegistry:
+    """Links of one :class:`~aiodatadist.LLMDataDist`, by remote cluster id."""
+
+    def __init__(self, local_cluster_id: int) -> None:
+        self.local_cluster_id = local_cluster_id
+        self._links: dict[int, Link] = {}
+
+    def __contains__(self, cluster_id: object) -> bool:
+        return cluster_id in self._links
+
+    def __iter__(self) -> Iterator[Link]:
+        return iter(list(self._links.values()))
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+    def add(self, link: Link) -> None:
+        if link.remote_cluster_id in self._links:
+            raise LLMException(
+                f"already linked to cluster {link.remote_cluster_id}",
+                status_code=LLMStatusCode.LLM_ALREADY_LINK,
+            )
+        self._links[link.remote_cluster_id] = link
+
+    def get(self, cluster_id: int, api: str) -> Link:
+        """The active link to ``cluster_id``.
+
+        Raises:
+            LLMLinkError: LLM_NOT_YET_LINK when there is none.
+        """
+        link = self._links.get(cluster_id)
+        if link is None or link.state is not LinkState.ACTIVE:
+            raise LLMException(
+                format_error(api, LLMStatusCode.LLM_NOT_YET_LINK, f"no link to cluster {cluster_id}"),
+                status_code=LLMStatusCode.LLM_NOT_YET_LINK,
+            )
+        return link
+
+    def find(self, cluster_id: int) -> Link | None:
+        return self._links.get(cluster_id)
+
+    def remove(self, link: Link) -> None:
+        link.state = LinkState.CLOSED
+        if self._links.get(link.remote_cluster_id) is link:
+            del self._links[link.remote_cluster_id]

@@ -1,0 +1,5 @@
+"""Data paths, one module each, behind the :class:`~aiodatadist.transports.base.Channel` interface."""
+
+from .base import Call, Channel
+
+__all__ = ["Call", "Channel"]

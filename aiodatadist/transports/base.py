@@ -1,0 +1,70 @@
+"""The interface every data path implements.
+
+A :class:`Channel` is the data path of one link. It moves the bytes of a
+validated :class:`~aiodatadist._native.Plan` between a local cache and a
+peer's cache, and nothing else: validation, deadlines, per-link ordering and
+error mapping live above it. Blocking work goes through :meth:`Call.run`, which
+runs it on the instance's dedicated executor under the call's deadline.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .. import _native
+
+if TYPE_CHECKING:
+    from .._caches import CacheEntry, CacheTable
+    from .._executor import TransferExecutor
+
+__all__ = ["Call", "Channel"]
+
+
+@dataclass
+class Call:
+    """One public call's budget: its API name, deadline and executor."""
+
+    api: str
+    deadline: float | None
+    executor: TransferExecutor
+    mover_threads: int = 2
+
+    async def run(self, job: Callable[[_native.Control], Any]) -> Any:
+        """Runs a blocking native job under this call's deadline (see TransferExecutor.run)."""
+        return await self.executor.run(job, deadline=self.deadline, api=self.api)
+
+
+class Channel(abc.ABC):
+    """The data path of one link.
+
+    Attributes:
+        name: the data path's name (``inproc``, ``shm``, ``cma``, ``tcp``).
+    """
+
+    name: str = "?"
+
+    @property
+    @abc.abstractmethod
+    def remote_table(self) -> CacheTable:
+        """The peer's registered caches, as fresh as this path can tell."""
+
+    @abc.abstractmethod
+    async def pull(
+        self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
+    ) -> None:
+        """Copies the plan's bytes from the peer's ``remote`` into ``local``.
+
+        Returns only once every byte has landed; raises otherwise.
+        """
+
+    @abc.abstractmethod
+    async def push(
+        self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call
+    ) -> None:
+        """Copies the plan's bytes from ``local`` into the peer's ``remote``."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Releases what the channel holds (connections, mappings)."""

@@ -1,0 +1,47 @@
+"""``inproc``: both instances live in this process; native memcpy of the plan's segments."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+from .. import _native
+from .base import Call, Channel
+
+if TYPE_CHECKING:
+    from .._caches import CacheEntry, CacheTable
+
+__all__ = ["InprocChannel"]
+
+
+class InprocChannel(Channel):
+    """Reads and writes the peer's caches directly; the peer's table is always current."""
+
+    name = "inproc"
+
+    def __init__(self, peer_table: CacheTable) -> None:
+        self._table = peer_table
+
+    @property
+    def remote_table(self) -> CacheTable:
+        return self._table
+
+    async def pull(self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call) -> None:
+        await call.run(
+            functools.partial(
+                _copy, plan, remote.addrs, local.addrs, call.mover_threads
+            )
+        )
+
+    async def push(self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call) -> None:
+        await call.run(
+            functools.partial(
+                _copy, plan, local.addrs, remote.addrs, call.mover_threads
+            )
+        )
+
+
+def _copy(
+    plan: _native.Plan, src: list[int], dst: list[int], threads: int, control: _native.Control
+) -> None:
+    _native.copy_local(plan, src, dst, control, threads)
