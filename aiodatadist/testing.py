@@ -67,7 +67,11 @@ def make_blocks_cache(
         tensors = cache.tensors()
     else:
         dtype = data_type.to_numpy()
-        tensors = [np.zeros(desc.shape, dtype=dtype) for _ in range(num_tensors)]
+        # np.empty + fill touches every page now, so the first transfer does not
+        # pay for page faults (a serving cache is resident too).
+        tensors = [np.empty(desc.shape, dtype=dtype) for _ in range(num_tensors)]
+        for t in tensors:
+            t.view(np.uint8).fill(0)
         cache = cm.register_blocks_cache(desc, tensors, key)
     if seed is not None:
         rng = np.random.default_rng(seed)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Quick start, command 2: set up and run the whole test suite, plus ruff and mypy.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh test
+echo "== ruff"
+.venv/bin/ruff check aiodatadist tests bench examples
+echo "== mypy (strict on the package)"
+.venv/bin/mypy
+echo "== pytest"
+.venv/bin/pytest "$@"
