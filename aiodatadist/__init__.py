@@ -4,7 +4,7 @@ Re-exports only; see the submodules for the implementation.
 """
 
 from .cache_manager import CacheManager, CacheTask
-from .config import LlmConfig, LLMConfig
+from .config import LLMConfig, LlmConfig
 from .datadist import LLMDataDist
 from .errors import (
     LLMCacheNotFoundError,

@@ -91,8 +91,11 @@ class CacheEntry:
         with self._lock:
             if self.freed:
                 raise LLMException(
-                    format_error(api, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                                 f"cache {self.cache_id} was unregistered"),
+                    format_error(
+                        api,
+                        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                        f"cache {self.cache_id} was unregistered",
+                    ),
                     status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                 )
             self._busy += 1
@@ -110,9 +113,12 @@ class CacheEntry:
         with self._lock:
             if self._busy:
                 raise LLMException(
-                    format_error(api, LLMStatusCode.LLM_LINK_BUSY,
-                                 f"cache {self.cache_id} is used by {self._busy} transfer(s) in "
-                                 "flight; await them before freeing it"),
+                    format_error(
+                        api,
+                        LLMStatusCode.LLM_LINK_BUSY,
+                        f"cache {self.cache_id} is used by {self._busy} transfer(s) in "
+                        "flight; await them before freeing it",
+                    ),
                     status_code=LLMStatusCode.LLM_LINK_BUSY,
                 )
             self.freed = True

@@ -191,8 +191,11 @@ class TransferExecutor:
         if isinstance(exc, _native.NativeError):
             if exc.status == _native.Status.ABORTED and expired:
                 raise LLMException(
-                    format_error(api, LLMStatusCode.LLM_TIMEOUT,
-                                 f"deadline passed after {ctl.bytes_done} of {ctl.total} bytes"),
+                    format_error(
+                        api,
+                        LLMStatusCode.LLM_TIMEOUT,
+                        f"deadline passed after {ctl.bytes_done} of {ctl.total} bytes",
+                    ),
                     status_code=LLMStatusCode.LLM_TIMEOUT,
                 ) from None
             raise from_native(exc, api) from exc

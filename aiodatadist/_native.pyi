@@ -50,7 +50,7 @@ class Control:
 
 class Geometry:
     """One side of a transfer: ``num_tensors`` tensors of ``tensor_bytes`` each,
-    cut into ``num_blocks`` blocks of ``block_bytes`` (``tensor_bytes == num_blocks * block_bytes``)."""
+    cut into ``num_blocks`` blocks of ``block_bytes`` bytes."""
 
     def __init__(self, num_tensors: int, num_blocks: int, block_bytes: int) -> None: ...
     @property
@@ -63,7 +63,10 @@ class Geometry:
     def tensor_bytes(self) -> int: ...
 
 class Plan:
-    """An immutable, validated list of segments (src tensor, src offset, dst tensor, dst offset, bytes)."""
+    """An immutable, validated list of segments.
+
+    Each segment is (src tensor, src offset, dst tensor, dst offset, bytes).
+    """
 
     @staticmethod
     def blocks(
@@ -88,14 +91,35 @@ class Plan:
     def segments(self) -> npt.NDArray[np.uint64]:
         """A copy of the segments as an ``(n, 5)`` uint64 array."""
 
-def copy_local(plan: Plan, src_bases: Sequence[int], dst_bases: Sequence[int],
-               control: Control, threads: int = 1) -> None: ...
-def cma_read(pid: int, plan: Plan, remote_src_bases: Sequence[int], local_dst_bases: Sequence[int],
-             control: Control, threads: int = 1) -> None: ...
-def cma_write(pid: int, plan: Plan, local_src_bases: Sequence[int], remote_dst_bases: Sequence[int],
-              control: Control, threads: int = 1) -> None: ...
-def sock_send(fds: Sequence[int], plan: Plan, src_bases: Sequence[int], control: Control) -> None: ...
-def sock_recv(fds: Sequence[int], plan: Plan, dst_bases: Sequence[int], control: Control) -> None: ...
+def copy_local(
+    plan: Plan,
+    src_bases: Sequence[int],
+    dst_bases: Sequence[int],
+    control: Control,
+    threads: int = 1,
+) -> None: ...
+def cma_read(
+    pid: int,
+    plan: Plan,
+    remote_src_bases: Sequence[int],
+    local_dst_bases: Sequence[int],
+    control: Control,
+    threads: int = 1,
+) -> None: ...
+def cma_write(
+    pid: int,
+    plan: Plan,
+    local_src_bases: Sequence[int],
+    remote_dst_bases: Sequence[int],
+    control: Control,
+    threads: int = 1,
+) -> None: ...
+def sock_send(
+    fds: Sequence[int], plan: Plan, src_bases: Sequence[int], control: Control
+) -> None: ...
+def sock_recv(
+    fds: Sequence[int], plan: Plan, dst_bases: Sequence[int], control: Control
+) -> None: ...
 def cma_probe(pid: int) -> tuple[bool, int]:
     """Whether ``process_vm_readv`` on ``pid`` is allowed here, and the errno when it is not."""
 

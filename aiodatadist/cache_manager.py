@@ -87,8 +87,7 @@ def _tensor_span(
             if n % t:
                 raise _param(
                     api,
-                    f"tensor_num_per_layer={t} does not divide the {side} cache's "
-                    f"{n} tensors",
+                    f"tensor_num_per_layer={t} does not divide the {side} cache's {n} tensors",
                 )
     if src_layer_range is not None:
         src_start, src_count = src_layer_range.start * t, len(src_layer_range) * t
@@ -247,7 +246,9 @@ class CacheManager:
         assert isinstance(cache, KvCache)
         entry = self._entries.get(cache.cache_id)
         if entry is None or entry.cache is not cache or entry.freed:
-            raise _param(api, f"{name} (cache_id {cache.cache_id}) is not a live cache of this instance")
+            raise _param(
+                api, f"{name} (cache_id {cache.cache_id}) is not a live cache of this instance"
+            )
         return entry
 
     def _require_role(self, api: str, *roles: LLMRole) -> None:
@@ -270,7 +271,8 @@ class CacheManager:
         require(len(addrs) > 0, "addrs must not be empty")
         require(
             len(addrs) == desc.num_tensors,
-            f"addrs must have cache_desc.num_tensors ({desc.num_tensors}) entries, got {len(addrs)}",
+            f"addrs must have cache_desc.num_tensors ({desc.num_tensors}) entries, "
+            f"got {len(addrs)}",
         )
         if all(isinstance(a, int) and not isinstance(a, bool) for a in addrs):
             out = check_int_list("addrs", addrs)
@@ -286,7 +288,7 @@ class CacheManager:
                     f"got a mix (addrs[{i}] is int)"
                 )
             try:
-                view = memoryview(obj)  # type: ignore[arg-type]
+                view = memoryview(obj)
             except TypeError:
                 raise TypeError(
                     f"addrs[{i}] must be an int address or a buffer (numpy array, bytearray, ...), "
@@ -360,8 +362,9 @@ class CacheManager:
         import numpy as np
 
         if entry.freed:
-            raise _err("tensors", LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                       f"cache {entry.cache_id} was freed")
+            raise _err(
+                "tensors", LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {entry.cache_id} was freed"
+            )
         assert entry.cache is not None
         desc = entry.cache.cache_desc
         dtype = desc.data_type.to_numpy()
@@ -370,7 +373,9 @@ class CacheManager:
         for t, addr in enumerate(entry.addrs):
             if entry.segment is not None:
                 off = entry.shm_offsets[t]
-                raw = np.frombuffer(entry.segment, dtype=np.uint8, count=desc.size, offset=off)
+                raw = np.frombuffer(
+                    memoryview(entry.segment), dtype=np.uint8, count=desc.size, offset=off
+                )
             elif entry.buffers is not None:
                 raw = np.frombuffer(entry.buffers[t], dtype=np.uint8, count=desc.size)
             else:
@@ -439,7 +444,9 @@ class CacheManager:
             check_type("remote_accessible", remote_accessible, bool)
         addr_list, buffers = self._buffers_to_addrs(cache_desc, addrs)
         self._check_no_overlap(addr_list, cache_desc.size)
-        return self._add(cache_desc, addr_list, False, model_id=None, row_keys=keys, buffers=buffers)
+        return self._add(
+            cache_desc, addr_list, False, model_id=None, row_keys=keys, buffers=buffers
+        )
 
     @staticmethod
     def _check_row_keys(desc: CacheDesc, cache_keys: object) -> list[CacheKey]:
@@ -467,7 +474,12 @@ class CacheManager:
         addrs = [segment.addr + o for o in offsets]
         try:
             return self._add(
-                desc, addrs, is_blocks, model_id=model_id, row_keys=keys, segment=segment,
+                desc,
+                addrs,
+                is_blocks,
+                model_id=model_id,
+                row_keys=keys,
+                segment=segment,
                 shm_offsets=offsets,
             )
         except BaseException:
@@ -496,7 +508,9 @@ class CacheManager:
         keys = self._check_row_keys(cache_desc, cache_keys)
         return self._allocate(cache_desc, False, None, keys)
 
-    def _free(self, api: str, cache_id: int, *, allocated: bool | None, blocks: bool | None) -> None:
+    def _free(
+        self, api: str, cache_id: int, *, allocated: bool | None, blocks: bool | None
+    ) -> None:
         entry = self._entries.get(cache_id)
         if entry is None:
             return  # upstream: unknown ids are a no-op
@@ -562,23 +576,35 @@ class CacheManager:
         if isinstance(key, BlocksCacheKey):
             entry = table.blocks(key.model_id)
             if entry is None:
-                raise _err(api, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                           f"cluster {key.cluster_id} has no blocks cache for model_id {key.model_id}")
+                raise _err(
+                    api,
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                    f"cluster {key.cluster_id} has no blocks cache for model_id {key.model_id}",
+                )
             return entry, 0
         if isinstance(key, CacheKeyByIdAndIndex):
             entry = table.by_id(key.cache_id)
             if entry is None:
-                raise _err(api, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                           f"cluster {key.cluster_id} has no cache with cache_id {key.cache_id}")
+                raise _err(
+                    api,
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                    f"cluster {key.cluster_id} has no cache with cache_id {key.cache_id}",
+                )
             if key.batch_index >= entry.num_blocks:
-                raise _param(api, f"batch_index {key.batch_index} out of range for remote cache "
-                                  f"{key.cache_id} with {entry.num_blocks} rows")
+                raise _param(
+                    api,
+                    f"batch_index {key.batch_index} out of range for remote cache "
+                    f"{key.cache_id} with {entry.num_blocks} rows",
+                )
             return entry, key.batch_index
         key_id = key.req_id if key.req_id != INVALID_ID else key.prefix_id
         hit = table.row((key_id, key.model_id))
         if hit is None:
-            raise _err(api, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                       f"cluster {key.cluster_id} has no cache row for {key!r}")
+            raise _err(
+                api,
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                f"cluster {key.cluster_id} has no cache row for {key!r}",
+            )
         return hit
 
     @staticmethod
@@ -660,7 +686,9 @@ class CacheManager:
         """
         api = "pull_blocks"
         self._require_ready()
-        check_type("prompt_cache_key", prompt_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey))
+        check_type(
+            "prompt_cache_key", prompt_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey)
+        )
         local = self._entry_of(api, "decoder_kv_cache", decoder_kv_cache)
         require(local.is_blocks, "decoder_kv_cache must be a blocks cache")
         src_blocks = check_int_list("prompt_blocks", prompt_blocks)
@@ -686,7 +714,9 @@ class CacheManager:
         tmo = _check_timeout(timeout)
         self._require_role(api, LLMRole.DECODER, LLMRole.MIX)
         if prompt_cache_key.cluster_id == self._dd.cluster_id:
-            raise _param(api, f"cannot pull from this instance's own cluster_id {self._dd.cluster_id}")
+            raise _param(
+                api, f"cannot pull from this instance's own cluster_id {self._dd.cluster_id}"
+            )
         deadline = self._deadline(tmo)
         link = self._dd._registry.get(prompt_cache_key.cluster_id, api)
 
@@ -697,8 +727,15 @@ class CacheManager:
                 if not remote.is_blocks:
                     raise _param(api, f"remote cache {remote.cache_id} is not a blocks cache")
                 return remote, _plan(
-                    api, _native.Plan.blocks, remote.geometry, local.geometry, src_blocks,
-                    dst_blocks, s0, d0, n,
+                    api,
+                    _native.Plan.blocks,
+                    remote.geometry,
+                    local.geometry,
+                    src_blocks,
+                    dst_blocks,
+                    s0,
+                    d0,
+                    n,
                 )
             bb = local.block_bytes
             base = row * remote.block_bytes
@@ -766,14 +803,18 @@ class CacheManager:
         tmo = _check_timeout(timeout)
         self._require_role(api, LLMRole.DECODER, LLMRole.MIX)
         if cache_key.cluster_id == self._dd.cluster_id:
-            raise _param(api, f"cannot pull from this instance's own cluster_id {self._dd.cluster_id}")
+            raise _param(
+                api, f"cannot pull from this instance's own cluster_id {self._dd.cluster_id}"
+            )
         deadline = self._deadline(tmo)
         link = self._dd._registry.get(cache_key.cluster_id, api)
 
         def build() -> tuple[CacheEntry, _native.Plan]:
             remote, row = self._remote_source(api, link, cache_key)
             if nbytes > remote.block_bytes:
-                raise _param(api, f"size {nbytes} exceeds the remote row of {remote.block_bytes} bytes")
+                raise _param(
+                    api, f"size {nbytes} exceeds the remote row of {remote.block_bytes} bytes"
+                )
             s0, d0, n = _tensor_span(api, remote.num_tensors, local.num_tensors, src_lr, dst_lr, t)
             rows = [
                 (s0 + k, row * remote.block_bytes, d0 + k, bi * local.block_bytes, nbytes)
@@ -817,7 +858,9 @@ class CacheManager:
         tmo = _check_timeout(timeout)
         bb = entry.block_bytes
         rows = [(t, s * bb, t, d * bb, bb) for t in range(entry.num_tensors) for s, d in pairs]
-        plan = _plan(api, _native.Plan.from_segments, entry.geometry, entry.geometry, _segments(rows))
+        plan = _plan(
+            api, _native.Plan.from_segments, entry.geometry, entry.geometry, _segments(rows)
+        )
         deadline = self._deadline(tmo)
         entry.hold(api)
         try:
@@ -857,9 +900,8 @@ class CacheManager:
         api = "transfer_cache_async"
         self._require_ready()
         local = self._entry_of(api, "src_cache", src_cache)
-        if not isinstance(layer_synchronizer, LayerSynchronizer) and not callable(
-            getattr(layer_synchronizer, "synchronize_layer", None)
-        ):
+        sync_fn: object = getattr(layer_synchronizer, "synchronize_layer", None)
+        if not callable(sync_fn):
             raise TypeError(
                 "layer_synchronizer must be a LayerSynchronizer, got "
                 f"{type(layer_synchronizer).__name__}"
@@ -868,48 +910,78 @@ class CacheManager:
         require(len(transfer_configs) > 0, "transfer_configs must not be empty")
         for i, c in enumerate(transfer_configs):
             check_type(f"transfer_configs[{i}]", c, (TransferConfig, TransferWithCacheKeyConfig))
-        require(local.num_tensors % 2 == 0,
-                f"src_cache must hold K,V pairs (an even tensor count), has {local.num_tensors}")
+        require(
+            local.num_tensors % 2 == 0,
+            f"src_cache must hold K,V pairs (an even tensor count), has {local.num_tensors}",
+        )
         num_layers = local.num_tensors // 2
         src_blocks: list[int] | None = None
         dst_blocks: list[int] | None = None
         if src_block_indices is not None or dst_block_indices is not None:
-            require(src_block_indices is not None,
-                    "dst_block_indices without src_block_indices (contiguous -> blocks) is not supported")
-            require(dst_block_indices is not None,
-                    "src_block_indices needs dst_block_indices (blocks -> contiguous is not supported)")
+            require(
+                src_block_indices is not None,
+                "dst_block_indices without src_block_indices (contiguous -> blocks) "
+                "is not supported",
+            )
+            require(
+                dst_block_indices is not None,
+                "src_block_indices needs dst_block_indices (blocks -> contiguous is not supported)",
+            )
             src_blocks = check_int_list("src_block_indices", src_block_indices, allow_empty=False)
             dst_blocks = check_int_list("dst_block_indices", dst_block_indices, allow_empty=False)
-            require(len(src_blocks) == len(dst_blocks),
-                    f"src_block_indices and dst_block_indices differ in length "
-                    f"({len(src_blocks)} != {len(dst_blocks)})")
+            require(
+                len(src_blocks) == len(dst_blocks),
+                f"src_block_indices and dst_block_indices differ in length "
+                f"({len(src_blocks)} != {len(dst_blocks)})",
+            )
             require(local.is_blocks, "src_block_indices needs a blocks src_cache")
         else:
-            require(not local.is_blocks, "a blocks src_cache needs src_block_indices and dst_block_indices")
+            require(
+                not local.is_blocks,
+                "a blocks src_cache needs src_block_indices and dst_block_indices",
+            )
         if dst_block_memory_size is not None:
             check_int("dst_block_memory_size", dst_block_memory_size, min_value=0)
-            require(dst_block_memory_size in (0, local.block_bytes),
-                    f"dst_block_memory_size {dst_block_memory_size} must equal the source block "
-                    f"size {local.block_bytes}")
+            require(
+                dst_block_memory_size in (0, local.block_bytes),
+                f"dst_block_memory_size {dst_block_memory_size} must equal the source block "
+                f"size {local.block_bytes}",
+            )
         spans: list[range] = []
         for i, c in enumerate(transfer_configs):
             lr = c.src_layer_range if c.src_layer_range is not None else range(num_layers)
-            require(lr.stop <= num_layers,
-                    f"transfer_configs[{i}].src_layer_range {lr!r} exceeds the {num_layers} "
-                    "layers of src_cache")
+            require(
+                lr.stop <= num_layers,
+                f"transfer_configs[{i}].src_layer_range {lr!r} exceeds the {num_layers} "
+                "layers of src_cache",
+            )
             if isinstance(c, TransferConfig):
-                require(len(c.dst_addrs) == 2 * len(lr),
-                        f"transfer_configs[{i}].dst_addrs must have {2 * len(lr)} addresses "
-                        f"(2 per layer of {lr!r}), got {len(c.dst_addrs)}")
+                require(
+                    len(c.dst_addrs) == 2 * len(lr),
+                    f"transfer_configs[{i}].dst_addrs must have {2 * len(lr)} addresses "
+                    f"(2 per layer of {lr!r}), got {len(c.dst_addrs)}",
+                )
             elif isinstance(c.cache_key, BlocksCacheKey):
-                require(src_blocks is not None,
-                        f"transfer_configs[{i}] targets a blocks cache: src_block_indices needed")
+                require(
+                    src_blocks is not None,
+                    f"transfer_configs[{i}] targets a blocks cache: src_block_indices needed",
+                )
             spans.append(lr)
         self._require_role(api, LLMRole.PROMPT, LLMRole.MIX)
         task = CacheTask(len(transfer_configs))
-        coro = self._pipeline(task, local, layer_synchronizer, list(transfer_configs), spans,
-                              src_blocks, dst_blocks, num_layers)
-        t = asyncio.get_running_loop().create_task(coro, name=f"aiodatadist-transfer-{local.cache_id}")
+        coro = self._pipeline(
+            task,
+            local,
+            layer_synchronizer,
+            list(transfer_configs),
+            spans,
+            src_blocks,
+            dst_blocks,
+            num_layers,
+        )
+        t = asyncio.get_running_loop().create_task(
+            coro, name=f"aiodatadist-transfer-{local.cache_id}"
+        )
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
         task._start(t)
@@ -948,44 +1020,75 @@ class CacheManager:
                 remote, row = self._remote_source(api, link, key)
                 d0 = 2 * dst_layer
                 if d0 + 2 > remote.num_tensors:
-                    raise _param(api, f"dst layer {dst_layer} is outside the remote cache's "
-                                      f"{remote.num_tensors // 2} layers")
+                    raise _param(
+                        api,
+                        f"dst layer {dst_layer} is outside the remote cache's "
+                        f"{remote.num_tensors // 2} layers",
+                    )
                 if src_blocks is not None:
                     assert dst_blocks is not None
-                    return remote, _plan(api, _native.Plan.blocks, local.geometry, remote.geometry,
-                                         src_blocks, dst_blocks, s0, d0, 2)
+                    return remote, _plan(
+                        api,
+                        _native.Plan.blocks,
+                        local.geometry,
+                        remote.geometry,
+                        src_blocks,
+                        dst_blocks,
+                        s0,
+                        d0,
+                        2,
+                    )
                 nbytes = min(local.block_bytes, remote.block_bytes)
-                rows = [(s0 + k, src_row * local.block_bytes, d0 + k, row * remote.block_bytes, nbytes)
-                        for k in range(2)]
-                return remote, _plan(api, _native.Plan.from_segments, local.geometry,
-                                     remote.geometry, _segments(rows))
+                rows = [
+                    (s0 + k, src_row * local.block_bytes, d0 + k, row * remote.block_bytes, nbytes)
+                    for k in range(2)
+                ]
+                return remote, _plan(
+                    api,
+                    _native.Plan.from_segments,
+                    local.geometry,
+                    remote.geometry,
+                    _segments(rows),
+                )
             # TransferConfig: raw peer addresses, which must lie in the peer's registered memory.
             lr = cfg.src_layer_range
             k = layer - (lr.start if lr is not None else 0)
-            targets = cfg.dst_addrs[2 * k: 2 * k + 2]
+            targets = cfg.dst_addrs[2 * k : 2 * k + 2]
             table = link.channel.remote_table
             found = []
             for addr in targets:
-                need = (max(dst_blocks) + 1) * local.block_bytes if dst_blocks else local.block_bytes
+                need = (
+                    (max(dst_blocks) + 1) * local.block_bytes if dst_blocks else local.block_bytes
+                )
                 hit = table.containing(addr, need)
                 if hit is None:
-                    raise _param(api, f"dst address {addr:#x} (+{need} bytes) is not inside memory "
-                                      f"registered by cluster {cfg.dst_cluster_id}")
+                    raise _param(
+                        api,
+                        f"dst address {addr:#x} (+{need} bytes) is not inside memory "
+                        f"registered by cluster {cfg.dst_cluster_id}",
+                    )
                 found.append(hit)
             remote = found[0][0]
             if found[1][0] is not remote:
-                raise _param(api, "the K and V addresses of one layer lie in different remote caches")
+                raise _param(
+                    api, "the K and V addresses of one layer lie in different remote caches"
+                )
             rows = []
             for j, (_, tensor, off) in enumerate(found):
                 if src_blocks is not None:
                     assert dst_blocks is not None
                     bb = local.block_bytes
-                    rows += [(s0 + j, s * bb, tensor, off + d * bb, bb)
-                             for s, d in zip(src_blocks, dst_blocks, strict=True)]
+                    rows += [
+                        (s0 + j, s * bb, tensor, off + d * bb, bb)
+                        for s, d in zip(src_blocks, dst_blocks, strict=True)
+                    ]
                 else:
-                    rows.append((s0 + j, src_row * local.block_bytes, tensor, off, local.block_bytes))
-            return remote, _plan(api, _native.Plan.from_segments, local.geometry, remote.geometry,
-                                 _segments(rows))
+                    rows.append(
+                        (s0 + j, src_row * local.block_bytes, tensor, off, local.block_bytes)
+                    )
+            return remote, _plan(
+                api, _native.Plan.from_segments, local.geometry, remote.geometry, _segments(rows)
+            )
 
         return build
 
@@ -1028,13 +1131,18 @@ class CacheManager:
                         dst_layer = cfg.dst_layer_range.start + (layer - spans[i].start)
                     else:
                         dst_layer = layer
-                    build = self._push_build(api, link, cfg, local, layer, dst_layer,
-                                             src_blocks, dst_blocks)
+                    build = self._push_build(
+                        api, link, cfg, local, layer, dst_layer, src_blocks, dst_blocks
+                    )
                     deadline = self._deadline(None)
                     await self._transfer(api, link, build, local, deadline, push=True)
                 except LLMException as e:
-                    log.warning("transfer_cache_async: layer %d to cluster %d failed: %s",
-                                layer, cfg.dst_cluster_id, e)
+                    log.warning(
+                        "transfer_cache_async: layer %d to cluster %d failed: %s",
+                        layer,
+                        cfg.dst_cluster_id,
+                        e,
+                    )
                     results[i] = e.status_code
                     return
                 if layer == spans[i].stop - 1:
@@ -1051,7 +1159,9 @@ class CacheManager:
     def _free_all(self) -> None:
         for entry in list(self._entries.values()):
             if entry.busy:
-                log.warning("finalize: cache %d still in use by a transfer; not freed", entry.cache_id)
+                log.warning(
+                    "finalize: cache %d still in use by a transfer; not freed", entry.cache_id
+                )
                 continue
             entry.freed = True
             if entry.segment is not None:

@@ -18,10 +18,16 @@ async def _demo(args: argparse.Namespace) -> int:
 
     async with inproc_pair() as pair:
         shape = (args.block_tokens, args.heads, args.head_dim)
-        src = pair.prompt_cache(num_tensors=2 * args.layers, num_blocks=args.blocks,
-                                block_shape=shape, allocate=True, seed=7)
-        dst = pair.decoder_cache(num_tensors=2 * args.layers, num_blocks=args.blocks,
-                                 block_shape=shape)
+        src = pair.prompt_cache(
+            num_tensors=2 * args.layers,
+            num_blocks=args.blocks,
+            block_shape=shape,
+            allocate=True,
+            seed=7,
+        )
+        dst = pair.decoder_cache(
+            num_tensors=2 * args.layers, num_blocks=args.blocks, block_shape=shape
+        )
         rng = np.random.default_rng(0)
         n = min(args.request_blocks, args.blocks)
         src_ids = sorted(rng.choice(args.blocks, n, replace=False).tolist())
@@ -30,8 +36,12 @@ async def _demo(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         for layer in range(args.layers):
             await pair.decoder.cache_manager.pull_blocks(
-                pair.key(), dst.cache, src_ids, dst_ids,
-                src_layer_range=range(layer, layer + 1), dst_layer_range=range(layer, layer + 1),
+                pair.key(),
+                dst.cache,
+                src_ids,
+                dst_ids,
+                src_layer_range=range(layer, layer + 1),
+                dst_layer_range=range(layer, layer + 1),
                 timeout=10,
             )
             nbytes += 2 * n * src.tensors[0][0].nbytes
@@ -41,9 +51,11 @@ async def _demo(args: argparse.Namespace) -> int:
             for t in range(2 * args.layers)
             for s, d in zip(src_ids, dst_ids, strict=True)
         )
-        print(f"inproc: pulled {n} blocks x {args.layers} layers layer by layer, "
-              f"{nbytes / 2**20:.1f} MiB in {dt * 1000:.1f} ms "
-              f"({nbytes / dt / 1e9:.2f} GB/s), mismatched blocks: {bad}")
+        print(
+            f"inproc: pulled {n} blocks x {args.layers} layers layer by layer, "
+            f"{nbytes / 2**20:.1f} MiB in {dt * 1000:.1f} ms "
+            f"({nbytes / dt / 1e9:.2f} GB/s), mismatched blocks: {bad}"
+        )
         return 1 if bad else 0
 
 

@@ -147,9 +147,12 @@ class LLMDataDist:
             other = _instances.get(self._cluster_id)
             if other is not None and other is not self and other._initialized:
                 raise LLMException(
-                    format_error("init", LLMStatusCode.LLM_FAILED,
-                                 f"cluster_id {self._cluster_id} is already used by another "
-                                 "initialized instance in this process"),
+                    format_error(
+                        "init",
+                        LLMStatusCode.LLM_FAILED,
+                        f"cluster_id {self._cluster_id} is already used by another "
+                        "initialized instance in this process",
+                    ),
                     status_code=LLMStatusCode.LLM_FAILED,
                 )
             self._options = opts
@@ -170,8 +173,11 @@ class LLMDataDist:
 
     async def _start_server(self, opts: Options) -> Any:
         raise LLMException(
-            format_error("init", LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                         "listen_ip_info needs the cross-process control plane"),
+            format_error(
+                "init",
+                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                "listen_ip_info needs the cross-process control plane",
+            ),
             status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
         )
 
@@ -230,8 +236,11 @@ class LLMDataDist:
             check_type(f"clusters[{i}]", c, LLMClusterInfo)
             if c.remote_cluster_id is None:
                 raise LLMException(
-                    format_error(api, LLMStatusCode.LLM_PARAM_INVALID,
-                                 f"clusters[{i}].remote_cluster_id is not set"),
+                    format_error(
+                        api,
+                        LLMStatusCode.LLM_PARAM_INVALID,
+                        f"clusters[{i}].remote_cluster_id is not set",
+                    ),
                     status_code=LLMStatusCode.LLM_PARAM_INVALID,
                 )
         check_int("timeout", timeout, min_value=1, max_value=2**31 - 1)
@@ -294,15 +303,20 @@ class LLMDataDist:
         if peer._loop is not self._loop:
             log.warning(
                 "link_clusters: cluster %d lives on another event loop; in-process links "
-                "need both instances on one loop", peer.cluster_id,
+                "need both instances on one loop",
+                peer.cluster_id,
             )
             return LLMStatusCode.LLM_LINK_FAILED
         if self._cluster_id in peer._registry:
             return LLMStatusCode.LLM_ALREADY_LINK
         assert self._cache_manager is not None and peer._cache_manager is not None
         slot = _FifoSlot()  # one slot for both ends: upstream's per-link mutex
-        mine = Link(self._cluster_id, peer.cluster_id, InprocChannel(peer._cache_manager.table), slot)
-        theirs = Link(peer.cluster_id, self._cluster_id, InprocChannel(self._cache_manager.table), slot)
+        mine = Link(
+            self._cluster_id, peer.cluster_id, InprocChannel(peer._cache_manager.table), slot
+        )
+        theirs = Link(
+            peer.cluster_id, self._cluster_id, InprocChannel(self._cache_manager.table), slot
+        )
         self._registry.add(mine)
         peer._registry.add(theirs)
         log.debug("linked %d <-> %d in-process", self._cluster_id, peer.cluster_id)
@@ -349,7 +363,9 @@ class LLMDataDist:
         results = await asyncio.gather(*(self._unlink_one(c, timeout, force) for c in infos))
         return self._overall(results), list(results)
 
-    async def _unlink_one(self, info: LLMClusterInfo, timeout_ms: int, force: bool) -> LLMStatusCode:
+    async def _unlink_one(
+        self, info: LLMClusterInfo, timeout_ms: int, force: bool
+    ) -> LLMStatusCode:
         remote_id = info.remote_cluster_id
         assert remote_id is not None
         link = self._registry.find(remote_id)

@@ -47,8 +47,11 @@ class _FifoSlot:
                 await self._lock.acquire()
         except TimeoutError:
             raise LLMException(
-                format_error(api, LLMStatusCode.LLM_TIMEOUT,
-                             "deadline passed while waiting for the link (other transfers hold it)"),
+                format_error(
+                    api,
+                    LLMStatusCode.LLM_TIMEOUT,
+                    "deadline passed while waiting for the link (other transfers hold it)",
+                ),
                 status_code=LLMStatusCode.LLM_TIMEOUT,
             ) from None
 
@@ -97,8 +100,11 @@ class Link:
         try:
             if self.state is not LinkState.ACTIVE:
                 raise LLMException(
-                    format_error(api, LLMStatusCode.LLM_NOT_YET_LINK,
-                                 f"the link to cluster {self.remote_cluster_id} was closed"),
+                    format_error(
+                        api,
+                        LLMStatusCode.LLM_NOT_YET_LINK,
+                        f"the link to cluster {self.remote_cluster_id} was closed",
+                    ),
                     status_code=LLMStatusCode.LLM_NOT_YET_LINK,
                 )
             yield self
@@ -145,7 +151,9 @@ class LinkRegistry:
         link = self._links.get(cluster_id)
         if link is None or link.state is not LinkState.ACTIVE:
             raise LLMException(
-                format_error(api, LLMStatusCode.LLM_NOT_YET_LINK, f"no link to cluster {cluster_id}"),
+                format_error(
+                    api, LLMStatusCode.LLM_NOT_YET_LINK, f"no link to cluster {cluster_id}"
+                ),
                 status_code=LLMStatusCode.LLM_NOT_YET_LINK,
             )
         return link

@@ -32,7 +32,9 @@ class FilledCache:
         return self.tensors[tensor][block]
 
 
-def cluster_info(remote_cluster_id: int, host: str | None = None, port: int | None = None) -> LLMClusterInfo:
+def cluster_info(
+    remote_cluster_id: int, host: str | None = None, port: int | None = None
+) -> LLMClusterInfo:
     """An ``LLMClusterInfo`` for ``remote_cluster_id`` (with its address when it is remote)."""
     info = LLMClusterInfo()
     info.remote_cluster_id = remote_cluster_id

@@ -1,4 +1,4 @@
-"""Data paths, one module each, behind the :class:`~aiodatadist.transports.base.Channel` interface."""
+"""Data paths, one module each, behind the :class:`.base.Channel` interface."""
 
 from .base import Call, Channel
 

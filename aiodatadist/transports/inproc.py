@@ -26,18 +26,18 @@ class InprocChannel(Channel):
     def remote_table(self) -> CacheTable:
         return self._table
 
-    async def pull(self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call) -> None:
+    async def pull(
+        self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
+    ) -> None:
         await call.run(
-            functools.partial(
-                _copy, plan, remote.addrs, local.addrs, call.mover_threads
-            )
+            functools.partial(_copy, plan, remote.addrs, local.addrs, call.mover_threads)
         )
 
-    async def push(self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call) -> None:
+    async def push(
+        self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call
+    ) -> None:
         await call.run(
-            functools.partial(
-                _copy, plan, local.addrs, remote.addrs, call.mover_threads
-            )
+            functools.partial(_copy, plan, local.addrs, remote.addrs, call.mover_threads)
         )
 
 
