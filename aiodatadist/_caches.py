@@ -185,6 +185,16 @@ class CacheTable:
             self._rows[key] = (entry, row)
         self.version += 1
 
+    def replace_with(self, other: CacheTable) -> None:
+        """Takes ``other``'s contents in place (holders of this table see the change)."""
+        self._by_id = other._by_id
+        self._blocks = other._blocks
+        self._rows = other._rows
+        self.version += 1
+
+    def clear(self) -> None:
+        self.replace_with(CacheTable())
+
     def remove(self, cache_id: int) -> CacheEntry | None:
         entry = self._by_id.pop(cache_id, None)
         if entry is None:

@@ -625,7 +625,17 @@ class CacheManager:
     ) -> None:
         """Steps 4-7 of the one path: plan, slot, native job, under one deadline."""
         version = link.channel.remote_table.version
-        remote, plan = build()
+        try:
+            remote, plan = build()
+        except LLMException as e:
+            # A registration the peer made just now may still be on its way: one
+            # round trip on the link brings every earlier table update in.
+            if e.status_code != LLMStatusCode.LLM_KV_CACHE_NOT_EXIST:
+                raise
+            if not await link.channel.refresh(deadline):
+                raise
+            version = link.channel.remote_table.version
+            remote, plan = build()
         async with link.exclusive(deadline, api):
             if link.channel.remote_table.version != version:
                 remote, plan = build()  # the peer re-registered while we queued
@@ -1171,4 +1181,4 @@ class CacheManager:
             entry.segment = None
             entry.buffers = None
         self._entries.clear()
-        self.table = CacheTable()
+        self.table.clear()

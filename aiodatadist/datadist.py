@@ -125,8 +125,10 @@ class LLMDataDist:
 
     def _table_changed(self) -> None:
         """A registration changed: peers over cross-process links hear about it."""
-        if self._server is not None:
-            self._server.table_changed()
+        for link in self._registry:
+            notify = getattr(link.channel, "peer", None)
+            if notify is not None:
+                notify.table_changed()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -172,14 +174,41 @@ class LLMDataDist:
             log.debug("initialized %s cluster %d", self._role.name, self._cluster_id)
 
     async def _start_server(self, opts: Options) -> Any:
-        raise LLMException(
-            format_error(
-                "init",
-                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                "listen_ip_info needs the cross-process control plane",
-            ),
-            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-        )
+        from ._control import ControlServer
+
+        server = ControlServer(self)
+        assert opts.listen_ip is not None
+        await server.start(opts.listen_ip, opts.listen_port or 0)
+        return server
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        """``(ip, port)`` the link server listens on (the real port when 0 was asked), or None."""
+        return None if self._server is None else self._server.address
+
+    async def _adopt_peer(self, peer: Any) -> None:
+        """Registers a cross-process link (either side of the handshake) and starts serving it."""
+        from .transports.remote import RemoteChannel
+
+        remote_id = peer.info.cluster_id
+        if remote_id in self._registry:
+            await peer.close("already linked")
+            raise LLMException(
+                format_error("link_clusters", LLMStatusCode.LLM_ALREADY_LINK,
+                             f"cluster {remote_id} is already linked"),
+                status_code=LLMStatusCode.LLM_ALREADY_LINK,
+            )
+        link = Link(self._cluster_id, remote_id, RemoteChannel(peer, self._options.data_path))
+
+        async def on_close(_peer: Any) -> None:
+            self._registry.remove(link)
+            if self._server is not None:
+                self._server.forget(_peer)
+
+        peer.on_close = on_close
+        self._registry.add(link)
+        peer.start()
+        log.debug("linked %d <-> %d over %s", self._cluster_id, remote_id, link.data_path)
 
     @bridged
     async def finalize(self) -> None:
@@ -323,13 +352,19 @@ class LLMDataDist:
         return LLMStatusCode.LLM_SUCCESS
 
     async def _link_remote(self, info: LLMClusterInfo, timeout_ms: int) -> LLMStatusCode:
+        from ._control import connect
+
         if not info.remote_ip_info_list:
             log.warning(
                 "link_clusters: cluster %s is not in this process and has no remote_ip_info",
                 info.remote_cluster_id,
             )
             return LLMStatusCode.LLM_LINK_FAILED
-        return LLMStatusCode.LLM_LINK_FAILED
+        host, port = info.remote_address()
+        assert info.remote_cluster_id is not None
+        peer = await connect(self, host, port, info.remote_cluster_id, timeout_ms / 1000)
+        await self._adopt_peer(peer)
+        return LLMStatusCode.LLM_SUCCESS
 
     async def _drop_link(self, link: Link, *, notify: bool) -> None:
         """Closes a link at once (queued transfers then see LLM_NOT_YET_LINK)."""

@@ -66,5 +66,9 @@ class Channel(abc.ABC):
     ) -> None:
         """Copies the plan's bytes from ``local`` into the peer's ``remote``."""
 
+    async def refresh(self, deadline: float | None) -> bool:
+        """Brings :attr:`remote_table` up to date; False when it always is."""
+        return False
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Releases what the channel holds (connections, mappings)."""

@@ -1,0 +1,719 @@
+"""The control plane: listen server, link handshake, auth, cache-table exchange,
+and serving the peer's requests.
+
+One TCP control connection per link carries :mod:`aiodatadist._wire` frames.
+The handshake (the linking side is the *client*)::
+
+    client                                   server (has listen_ip_info)
+    HELLO {version, cluster_id, host_id, pid, role, nonce_c, want_auth} ->
+                                          <- CHALLENGE {cluster_id, nonce_s, auth_required}
+    AUTH {mac_c = HMAC(secret, ...)}      ->
+                                          <- WELCOME {..., table, data_paths, link_token, mac_s}
+                                             or REFUSE {status, reason} and close
+    TABLE {version, table}                ->
+
+The server reveals nothing about registered memory (no table, pid or address)
+before the peer proved the shared secret, when one is configured. After the
+handshake both sides are symmetric: either may send PULL / PUSH requests (the
+other serves them one at a time, in order), TABLE updates, UNLINK, PING.
+
+TCP data streams: the client opens ``2 * tcp_streams`` extra connections that
+start with DATA_HELLO {link_token, stream}; streams ``[0, n)`` carry the bytes
+of requests the client starts, ``[n, 2n)`` those the server starts, so the two
+directions never interleave bytes. A transfer that does not end cleanly leaves
+its streams in an unknown state: the client replaces them before the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from . import _native, _wire
+from ._caches import CacheEntry, CacheTable
+from .errors import LLMException, LLMStatusCode, format_error, from_native
+
+if TYPE_CHECKING:
+    from .datadist import LLMDataDist
+
+__all__ = ["ControlServer", "Peer", "connect", "host_identity"]
+
+log = logging.getLogger("aiodatadist.control")
+
+HANDSHAKE_TIMEOUT = 10.0
+_ACK = b"\x01"
+_req_ids = itertools.count(1)
+
+
+def _ns_inode(name: str) -> str:
+    try:
+        return str(os.stat(f"/proc/self/ns/{name}").st_ino)
+    except OSError:
+        return "?"
+
+
+def host_identity() -> str:
+    """Names the machine and namespaces this process lives in.
+
+    Two processes with the same identity can use the one-sided same-host paths
+    (shared memory, CMA). The network namespace is part of it, so processes in
+    separate namespaces are treated as separate hosts (and use TCP).
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    parts = [socket.gethostname(), boot] + [_ns_inode(n) for n in ("pid", "ipc", "mnt", "net")]
+    return "/".join(parts)[:256]
+
+
+def _link_error(
+    api: str, info: str, code: LLMStatusCode = LLMStatusCode.LLM_LINK_FAILED
+) -> LLMException:
+    return LLMException(format_error(api, code, info), status_code=code)
+
+
+async def quiesce(task: asyncio.Future[Any]) -> None:
+    """Waits until ``task`` is done, even through cancels of the waiting task."""
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                break
+            cancelled = True
+        except BaseException:
+            break
+    if not task.cancelled():
+        task.exception()  # retrieved: the caller reports what matters
+    if cancelled:
+        raise asyncio.CancelledError()
+
+
+@dataclass
+class PeerInfo:
+    cluster_id: int
+    host_id: str
+    pid: int
+    role: int
+    data_paths: list[str] = field(default_factory=list)
+
+
+class Peer:
+    """One control connection to a linked peer, on either side of the link."""
+
+    def __init__(
+        self,
+        dd: LLMDataDist,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        info: PeerInfo,
+        *,
+        is_client: bool,
+        link_token: str,
+        table: CacheTable,
+        endpoint: tuple[str, int] | None,
+    ) -> None:
+        self.dd = dd
+        self.reader = reader
+        self.writer = writer
+        self.info = info
+        self.is_client = is_client
+        self.link_token = link_token
+        self.table = table
+        self.endpoint = endpoint
+        self.same_host = info.host_id == host_identity()
+        self.n_streams = max(1, min(8, dd.options.tcp_streams))
+        # streams[0]: client-initiated transfers; streams[1]: server-initiated.
+        self.streams: list[list[socket.socket | None]] = [
+            [None] * self.n_streams,
+            [None] * self.n_streams,
+        ]
+        self.streams_ready = [asyncio.Event(), asyncio.Event()]
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._pongs: dict[int, asyncio.Future[None]] = {}
+        self._send_lock = asyncio.Lock()
+        self._requests: asyncio.Queue[_wire.Message] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.closed = asyncio.Event()
+        self.on_close: Callable[[Peer], Awaitable[None]] | None = None
+        self._table_dirty = False
+
+    # ------------------------------------------------------------ plumbing
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._read_loop(), name="aiodatadist-peer-read"))
+        self._tasks.append(loop.create_task(self._serve_loop(), name="aiodatadist-peer-serve"))
+
+    @property
+    def my_direction(self) -> int:
+        """Index of the stream set carrying transfers this side starts."""
+        return 0 if self.is_client else 1
+
+    async def send(
+        self, msg_type: _wire.MsgType, body: dict[str, Any], binary: bytes = b""
+    ) -> None:
+        if self.closed.is_set():
+            raise _link_error("send", f"the link to cluster {self.info.cluster_id} is closed")
+        async with self._send_lock:
+            try:
+                await _wire.write_message(self.writer, msg_type, body, binary)
+            except (OSError, ConnectionError) as e:
+                await self.close(f"write failed: {e}")
+                raise _link_error(
+                    "send", f"the link to cluster {self.info.cluster_id} broke: {e}"
+                ) from e
+
+    def table_changed(self) -> None:
+        """Coalesces table updates: one TABLE message per loop iteration."""
+        if self._table_dirty or self.closed.is_set():
+            return
+        self._table_dirty = True
+        asyncio.get_running_loop().call_soon(self._send_table_soon)
+
+    def _send_table_soon(self) -> None:
+        self._table_dirty = False
+        task = asyncio.get_running_loop().create_task(self._send_table())
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def _send_table(self) -> None:
+        own = self.dd.cache_manager.table
+        with contextlib.suppress(LLMException):
+            await self.send(_wire.MsgType.TABLE, {"version": own.version, "table": own.describe()})
+
+    async def refresh(self, deadline: float | None) -> None:
+        """A PING round trip: every TABLE the peer sent before our PING has been applied after it."""
+        t = next(_req_ids)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pongs[t] = fut
+        try:
+            await self.send(_wire.MsgType.PING, {"t": t})
+            async with asyncio.timeout_at(deadline):
+                await fut
+        except TimeoutError:
+            pass
+        finally:
+            self._pongs.pop(t, None)
+
+    async def _read_loop(self) -> None:
+        reason = "connection closed by the peer"
+        try:
+            while True:
+                msg = await _wire.read_message(self.reader, timeout=None)
+                t = msg.type
+                if t == _wire.MsgType.DONE:
+                    fut = self._pending.pop(int(msg.body["req"]), None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg.body)
+                elif t in (_wire.MsgType.PULL, _wire.MsgType.PUSH):
+                    self._requests.put_nowait(msg)
+                elif t == _wire.MsgType.TABLE:
+                    self._apply_table(msg.body["table"])
+                elif t == _wire.MsgType.PING:
+                    await self.send(_wire.MsgType.PONG, {"t": msg.body["t"]})
+                elif t == _wire.MsgType.PONG:
+                    pong = self._pongs.get(int(msg.body["t"]))
+                    if pong is not None and not pong.done():
+                        pong.set_result(None)
+                elif t == _wire.MsgType.UNLINK:
+                    reason = "the peer unlinked"
+                    break
+                else:
+                    reason = f"unexpected message {t!r}"
+                    break
+        except (_wire.WireError, OSError, ConnectionError, LLMException) as e:
+            reason = str(e) or type(e).__name__
+        except asyncio.CancelledError:
+            reason = "closed"
+            raise
+        finally:
+            await self.close(reason)
+
+    def _apply_table(self, items: list[dict[str, Any]]) -> None:
+        fresh = CacheTable.from_description([_wire.check_cache_description(d) for d in items])
+        self.table.replace_with(fresh)
+
+    async def _serve_loop(self) -> None:
+        while True:
+            msg = await self._requests.get()
+            try:
+                await self._serve(msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("serving a request from cluster %d failed", self.info.cluster_id)
+
+    async def _serve(self, msg: _wire.Message) -> None:
+        """Serves one PULL (we send) or PUSH (we receive) against our registered memory."""
+        body = msg.body
+        req = int(body["req"])
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + int(body["deadline_ms"]) / 1000
+        pull = msg.type == _wire.MsgType.PULL
+        api = "serve_pull" if pull else "serve_push"
+        status, info = LLMStatusCode.LLM_SUCCESS, ""
+        peer_dir = 1 - self.my_direction
+        entry: CacheEntry | None = None
+        try:
+            entry = self.dd.cache_manager.table.by_id(int(body["cache_id"]))
+            if entry is None:
+                raise _link_error(
+                    api,
+                    f"no cache with id {body['cache_id']}",
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                )
+            segs = _wire.segments_from_bytes(msg.binary)
+            geo = _native.Geometry(
+                *(int(x) for x in body["dst_geometry" if pull else "src_geometry"])
+            )
+            try:
+                # Every segment is checked against *our* registered geometry: a peer can
+                # never make us read or write outside registered memory.
+                if pull:
+                    plan = _native.Plan.from_segments(entry.geometry, geo, segs)
+                else:
+                    plan = _native.Plan.from_segments(geo, entry.geometry, segs)
+            except _native.NativeError as e:
+                raise from_native(e, api) from e
+            n = int(body["streams"])
+            if loop.time() >= deadline:
+                raise _link_error(
+                    api, "request arrived after its deadline", LLMStatusCode.LLM_TIMEOUT
+                )
+            async with asyncio.timeout_at(deadline):
+                await self.streams_ready[peer_dir].wait()
+            socks = self.streams[peer_dir][:n]
+            if len(socks) < n or any(s is None for s in socks):
+                raise _link_error(api, "data streams are not connected")
+            fds = [s.fileno() for s in socks if s is not None]
+            addrs = entry.addrs
+            entry.hold(api)
+            try:
+                executor = self.dd._executor_or_raise()
+                if pull:
+                    job = lambda c: _native.sock_send(fds, plan, addrs, c)  # noqa: E731
+                else:
+                    job = lambda c: _native.sock_recv(fds, plan, addrs, c)  # noqa: E731
+                await executor.run(job, deadline=deadline, api=api)
+            finally:
+                entry.release()
+        except TimeoutError as e:
+            status, info = LLMStatusCode.LLM_TIMEOUT, str(e) or "deadline passed"
+            self._drop_streams(peer_dir)
+        except LLMException as e:
+            status, info = e.status_code, str(e)
+            if status not in (
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                LLMStatusCode.LLM_PARAM_INVALID,
+            ):
+                self._drop_streams(peer_dir)
+        except _wire.WireError as e:
+            status, info = LLMStatusCode.LLM_PARAM_INVALID, str(e)
+        with contextlib.suppress(LLMException):
+            await self.send(
+                _wire.MsgType.DONE, {"req": req, "status": int(status), "info": info[:1000]}
+            )
+
+    def _drop_streams(self, direction: int) -> None:
+        self.streams_ready[direction].clear()
+        for i, s in enumerate(self.streams[direction]):
+            if s is not None:
+                with contextlib.suppress(OSError):
+                    s.close()
+            self.streams[direction][i] = None
+
+    def attach_stream(self, index: int, sock: socket.socket) -> bool:
+        direction, i = divmod(index, self.n_streams)
+        if direction > 1:
+            return False
+        old = self.streams[direction][i]
+        if old is not None:
+            with contextlib.suppress(OSError):
+                old.close()
+        self.streams[direction][i] = sock
+        if all(s is not None for s in self.streams[direction]):
+            self.streams_ready[direction].set()
+        return True
+
+    async def connect_streams(self, direction: int, deadline: float | None) -> None:
+        """Client side: (re)opens the data streams of one direction."""
+        assert self.is_client and self.endpoint is not None
+        self._drop_streams(direction)
+        loop = asyncio.get_running_loop()
+        host, port = self.endpoint
+        base = direction * self.n_streams
+        async with asyncio.timeout_at(deadline):
+            for i in range(self.n_streams):
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                family, stype, proto, _, addr = infos[0]
+                sock = socket.socket(family, stype, proto)
+                try:
+                    sock.setblocking(False)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    await loop.sock_connect(sock, addr)
+                    frame = _wire.encode(
+                        _wire.MsgType.DATA_HELLO,
+                        {"link_token": self.link_token, "stream": base + i},
+                    )
+                    await loop.sock_sendall(sock, frame)
+                    ack = await loop.sock_recv(sock, 1)
+                    if ack != _ACK:
+                        raise _link_error("link_clusters", "the peer refused a data stream")
+                except BaseException:
+                    sock.close()
+                    raise
+                self.attach_stream(base + i, sock)
+
+    async def ensure_streams(self, direction: int, deadline: float | None) -> list[int]:
+        if not self.streams_ready[direction].is_set():
+            if self.is_client:
+                await self.connect_streams(direction, deadline)
+            else:
+                async with asyncio.timeout_at(deadline):
+                    await self.streams_ready[direction].wait()
+        return [s.fileno() for s in self.streams[direction] if s is not None]
+
+    async def request(
+        self, msg_type: _wire.MsgType, body: dict[str, Any], binary: bytes
+    ) -> tuple[int, asyncio.Future[dict[str, Any]]]:
+        req = next(_req_ids)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[req] = fut
+        try:
+            await self.send(msg_type, {"req": req, **body}, binary)
+        except BaseException:
+            self._pending.pop(req, None)
+            raise
+        return req, fut
+
+    async def close(self, reason: str = "closed") -> None:
+        if self.closed.is_set():
+            return
+        self.closed.set()
+        log.debug("link to cluster %d closed: %s", self.info.cluster_id, reason)
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(
+                    _link_error(
+                        "transfer", f"the link to cluster {self.info.cluster_id} closed: {reason}"
+                    )
+                )
+        self._pending.clear()
+        for pong in self._pongs.values():
+            if not pong.done():
+                pong.set_result(None)
+        with contextlib.suppress(Exception):
+            self.writer.close()
+        current = asyncio.current_task()
+        for task in list(self._tasks):
+            if task is not current:
+                task.cancel()
+        for d in (0, 1):
+            self._drop_streams(d)
+        if self.on_close is not None:
+            cb, self.on_close = self.on_close, None
+            await cb(self)
+
+    async def unlink(self) -> None:
+        with contextlib.suppress(LLMException):
+            await self.send(_wire.MsgType.UNLINK, {"cluster_id": self.dd.cluster_id})
+        await self.close("unlinked")
+
+
+def _my_paths(dd: LLMDataDist) -> list[str]:
+    forced = dd.options.data_path
+    if forced in ("shm", "cma", "tcp"):
+        return [forced]
+    return ["shm", "cma", "tcp"]
+
+
+def _secret(dd: LLMDataDist) -> bytes | None:
+    return dd.options.shared_secret
+
+
+async def connect(
+    dd: LLMDataDist, host: str, port: int, expect_cluster: int, timeout: float
+) -> Peer:
+    """Client side of the handshake.
+
+    Raises:
+        LLMLinkError: LLM_LINK_FAILED (unreachable, refused, auth failed, wrong peer),
+            or the status the server refused with (e.g. LLM_ALREADY_LINK).
+    """
+    api = "link_clusters"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    secret = _secret(dd)
+    try:
+        async with asyncio.timeout_at(deadline):
+            reader, writer = await asyncio.open_connection(host, port)
+    except (OSError, TimeoutError) as e:
+        raise _link_error(api, f"cannot reach {host}:{port}: {e or 'timed out'}") from e
+    ok = False
+    try:
+        nonce_c = _wire.new_nonce()
+        async with asyncio.timeout_at(deadline):
+            await _wire.write_message(
+                writer,
+                _wire.MsgType.HELLO,
+                {
+                    "version": _wire.PROTOCOL_VERSION,
+                    "cluster_id": dd.cluster_id,
+                    "host_id": host_identity(),
+                    "pid": os.getpid(),
+                    "role": int(dd.role),
+                    "nonce": nonce_c,
+                    "want_auth": secret is not None,
+                },
+            )
+            msg = await _wire.read_message(reader, timeout=None)
+            if msg.type == _wire.MsgType.REFUSE:
+                raise _link_error(
+                    api, f"refused: {msg.body['reason']}", LLMStatusCode(int(msg.body["status"]))
+                )
+            if msg.type != _wire.MsgType.CHALLENGE:
+                raise _link_error(api, f"unexpected {msg.type!r} during the handshake")
+            server_id = int(msg.body["cluster_id"])
+            nonce_s = str(msg.body["nonce"])
+            if msg.body["auth_required"] and secret is None:
+                raise _link_error(api, "the peer requires a shared secret and none is configured")
+            mac = (
+                _wire.client_mac(secret, nonce_c, nonce_s, dd.cluster_id, server_id)
+                if secret
+                else ""
+            )
+            await _wire.write_message(writer, _wire.MsgType.AUTH, {"mac": mac})
+            msg = await _wire.read_message(reader, timeout=None)
+            if msg.type == _wire.MsgType.REFUSE:
+                raise _link_error(
+                    api, f"refused: {msg.body['reason']}", LLMStatusCode(int(msg.body["status"]))
+                )
+            if msg.type != _wire.MsgType.WELCOME:
+                raise _link_error(api, f"unexpected {msg.type!r} during the handshake")
+            w = msg.body
+            if secret is not None:
+                expected = _wire.server_mac(secret, nonce_c, nonce_s, dd.cluster_id, server_id)
+                if not _wire.verify_mac(expected, w.get("mac") or ""):
+                    raise _link_error(api, "the peer could not prove the shared secret")
+            if int(w["cluster_id"]) != expect_cluster:
+                raise _link_error(
+                    api, f"{host}:{port} is cluster {w['cluster_id']}, not {expect_cluster}"
+                )
+            table = CacheTable.from_description(list(w["table"]))
+            info = PeerInfo(
+                int(w["cluster_id"]),
+                str(w["host_id"]),
+                int(w["pid"]),
+                int(w["role"]),
+                list(w["data_paths"]),
+            )
+            peer = Peer(
+                dd,
+                reader,
+                writer,
+                info,
+                is_client=True,
+                link_token=str(w["link_token"]),
+                table=table,
+                endpoint=(host, port),
+            )
+            own = dd.cache_manager.table
+            await _wire.write_message(
+                writer, _wire.MsgType.TABLE, {"version": own.version, "table": own.describe()}
+            )
+            if "tcp" in info.data_paths and "tcp" in _my_paths(dd):
+                await peer.connect_streams(0, deadline)
+                await peer.connect_streams(1, deadline)
+        ok = True
+        return peer
+    except TimeoutError as e:
+        raise _link_error(api, f"handshake with {host}:{port} timed out") from e
+    except (_wire.WireError, OSError) as e:
+        raise _link_error(api, f"handshake with {host}:{port} failed: {e}") from e
+    finally:
+        if not ok:
+            writer.close()
+
+
+class ControlServer:
+    """Accepts links on ``listen_ip_info`` and serves them."""
+
+    def __init__(self, dd: LLMDataDist) -> None:
+        self.dd = dd
+        self._server: asyncio.Server | None = None
+        self.peers: dict[str, Peer] = {}  # by link token
+        self._handshakes: set[asyncio.Task[Any]] = set()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._server is not None
+        sock = self._server.sockets[0]
+        host, port = sock.getsockname()[:2]
+        return str(host), int(port)
+
+    async def start(self, host: str, port: int) -> None:
+        try:
+            self._server = await asyncio.start_server(self._accept, host, port, reuse_address=True)
+        except OSError as e:
+            raise LLMException(
+                format_error(
+                    "init", LLMStatusCode.LLM_PARAM_INVALID, f"cannot listen on {host}:{port}: {e}"
+                ),
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            ) from e
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handshakes.add(task)
+        try:
+            await self._handshake(reader, writer)
+        except (_wire.WireError, OSError, TimeoutError, LLMException) as e:
+            log.debug("handshake from %s failed: %s", writer.get_extra_info("peername"), e)
+            writer.close()
+        finally:
+            self._handshakes.discard(task)
+
+    async def _refuse(
+        self, writer: asyncio.StreamWriter, status: LLMStatusCode, reason: str
+    ) -> None:
+        with contextlib.suppress(Exception):
+            await _wire.write_message(
+                writer, _wire.MsgType.REFUSE, {"status": int(status), "reason": reason}
+            )
+        writer.close()
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dd = self.dd
+        msg = await _wire.read_message(reader, timeout=HANDSHAKE_TIMEOUT)
+        if msg.type == _wire.MsgType.DATA_HELLO:
+            await self._data_stream(msg, writer)
+            return
+        if msg.type != _wire.MsgType.HELLO:
+            writer.close()
+            return
+        hello = msg.body
+        if int(hello["version"]) != _wire.PROTOCOL_VERSION:
+            await self._refuse(
+                writer,
+                LLMStatusCode.LLM_LINK_FAILED,
+                f"protocol version {hello['version']} != {_wire.PROTOCOL_VERSION}",
+            )
+            return
+        client_id = int(hello["cluster_id"])
+        secret = _secret(dd)
+        nonce_s = _wire.new_nonce()
+        await _wire.write_message(
+            writer,
+            _wire.MsgType.CHALLENGE,
+            {
+                "cluster_id": dd.cluster_id,
+                "nonce": nonce_s,
+                "auth_required": secret is not None,
+            },
+        )
+        auth = await _wire.read_message(reader, timeout=HANDSHAKE_TIMEOUT)
+        if auth.type != _wire.MsgType.AUTH:
+            writer.close()
+            return
+        if secret is not None:
+            expected = _wire.client_mac(secret, hello["nonce"], nonce_s, client_id, dd.cluster_id)
+            if not _wire.verify_mac(expected, str(auth.body["mac"])):
+                await self._refuse(writer, LLMStatusCode.LLM_LINK_FAILED, "authentication failed")
+                return
+        if client_id == dd.cluster_id:
+            await self._refuse(
+                writer, LLMStatusCode.LLM_PARAM_INVALID, "same cluster id as the server"
+            )
+            return
+        existing = dd._registry.find(client_id)
+        if existing is not None:
+            await self._refuse(
+                writer, LLMStatusCode.LLM_ALREADY_LINK, f"cluster {client_id} is already linked"
+            )
+            return
+        token = secrets.token_hex(16)
+        own = dd.cache_manager.table
+        mac = (
+            _wire.server_mac(secret, hello["nonce"], nonce_s, client_id, dd.cluster_id)
+            if secret is not None
+            else None
+        )
+        await _wire.write_message(
+            writer,
+            _wire.MsgType.WELCOME,
+            {
+                "cluster_id": dd.cluster_id,
+                "host_id": host_identity(),
+                "pid": os.getpid(),
+                "role": int(dd.role),
+                "table": own.describe(),
+                "data_paths": _my_paths(dd),
+                "link_token": token,
+                "mac": mac,
+            },
+        )
+        first = await _wire.read_message(reader, timeout=HANDSHAKE_TIMEOUT)
+        if first.type != _wire.MsgType.TABLE:
+            writer.close()
+            return
+        table = CacheTable.from_description(
+            [_wire.check_cache_description(d) for d in first.body["table"]]
+        )
+        info = PeerInfo(
+            client_id, str(hello["host_id"]), int(hello["pid"]), int(hello["role"]), _my_paths(dd)
+        )
+        peer = Peer(
+            dd, reader, writer, info, is_client=False, link_token=token, table=table, endpoint=None
+        )
+        self.peers[token] = peer
+        await dd._adopt_peer(peer)
+
+    async def _data_stream(self, msg: _wire.Message, writer: asyncio.StreamWriter) -> None:
+        peer = self.peers.get(str(msg.body["link_token"]))
+        sock = writer.get_extra_info("socket")
+        if peer is None or peer.closed.is_set() or sock is None:
+            writer.close()
+            return
+        dup = socket.socket(fileno=os.dup(sock.fileno()))
+        writer.transport.abort()  # closes asyncio's fd; the dup stays connected
+        dup.setblocking(False)
+        try:
+            dup.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not peer.attach_stream(int(msg.body["stream"]), dup):
+                dup.close()
+                return
+            await asyncio.get_running_loop().sock_sendall(dup, _ACK)
+        except OSError:
+            dup.close()
+
+    def forget(self, peer: Peer) -> None:
+        self.peers.pop(peer.link_token, None)
+
+    def table_changed(self) -> None:
+        for peer in list(self.peers.values()):
+            peer.table_changed()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+            self._server = None
+        for task in list(self._handshakes):
+            task.cancel()
+        for peer in list(self.peers.values()):
+            await peer.close("server closed")
+        self.peers.clear()

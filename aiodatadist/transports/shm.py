@@ -1,0 +1,86 @@
+"""``shm``: same host, the peer's cache lives in a shared-memory segment.
+
+The decoder maps the peer's segment once (per link) and copies one-sidedly
+with the native local mover: no peer CPU involved. Only caches the peer
+allocated with ``allocate_*`` live in shared memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import TYPE_CHECKING
+
+from .. import _native
+from ..errors import LLMException, LLMStatusCode, format_error, from_native
+from .base import Call
+
+if TYPE_CHECKING:
+    from .._caches import CacheEntry
+
+__all__ = ["ShmPath"]
+
+
+class ShmPath:
+    """The mappings of one link's peer segments, and copies through them."""
+
+    name = "shm"
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[str, bool], _native.ShmSegment] = {}
+
+    @staticmethod
+    def applies(remote: CacheEntry) -> bool:
+        return remote.shm_name is not None and remote.shm_size > 0
+
+    def _addrs(self, api: str, remote: CacheEntry, writable: bool) -> list[int]:
+        if remote.shm_name is None:
+            raise LLMException(
+                format_error(
+                    api,
+                    LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                    f"remote cache {remote.cache_id} is not in shared memory",
+                ),
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            )
+        key = (remote.shm_name, writable)
+        seg = self._maps.get(key)
+        if seg is None or seg.closed:
+            try:
+                seg = _native.ShmSegment.open(remote.shm_name, remote.shm_size, writable)
+            except _native.NativeError as e:
+                raise from_native(e, api) from e
+            self._maps[key] = seg
+        return [seg.addr + off for off in remote.shm_offsets]
+
+    async def pull(
+        self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
+    ) -> None:
+        src = self._addrs(call.api, remote, writable=False)
+        await call.run(functools.partial(_copy, plan, src, local.addrs, call.mover_threads))
+
+    async def push(
+        self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call
+    ) -> None:
+        dst = self._addrs(call.api, remote, writable=True)
+        await call.run(functools.partial(_copy, plan, local.addrs, dst, call.mover_threads))
+
+    def forget(self, live_names: set[str], busy: bool) -> None:
+        """Unmaps segments the peer no longer lists (not while transfers run)."""
+        if busy:
+            return
+        for key in [k for k in self._maps if k[0] not in live_names]:
+            with contextlib.suppress(Exception):
+                self._maps.pop(key).close()
+
+    def close(self) -> None:
+        for seg in self._maps.values():
+            with contextlib.suppress(Exception):
+                seg.close()
+        self._maps.clear()
+
+
+def _copy(
+    plan: _native.Plan, src: list[int], dst: list[int], threads: int, control: _native.Control
+) -> None:
+    _native.copy_local(plan, src, dst, control, threads)
