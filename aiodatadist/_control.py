@@ -194,7 +194,7 @@ class Peer:
             await self.send(_wire.MsgType.TABLE, {"version": own.version, "table": own.describe()})
 
     async def refresh(self, deadline: float | None) -> None:
-        """A PING round trip: every TABLE the peer sent before our PING has been applied after it."""
+        """A PING round trip: every TABLE the peer sent before our PING is applied after it."""
         t = next(_req_ids)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pongs[t] = fut
