@@ -201,6 +201,19 @@ class TransferExecutor:
             raise from_native(exc, api) from exc
         raise exc
 
+    async def aclose(self, timeout: float | None = 5.0) -> bool:
+        """:meth:`shutdown` without blocking the loop: the wait runs on a helper thread."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[bool] = loop.create_future()
+
+        def wait() -> None:
+            idle = self.shutdown(timeout)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, fut, True, idle)
+
+        threading.Thread(target=wait, name="aiodatadist-shutdown", daemon=True).start()
+        return await asyncio.shield(fut)
+
     def shutdown(self, timeout: float | None = 5.0) -> bool:
         """Stops accepting work, waits up to ``timeout`` s for running jobs, stops the threads.
 

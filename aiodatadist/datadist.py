@@ -232,9 +232,7 @@ class LLMDataDist:
                 await self._server.close()
                 self._server = None
             bound = self._options.finalize_timeout_ms / 1000
-            loop = asyncio.get_running_loop()
-            executor = self._executor
-            idle = await loop.run_in_executor(None, executor.shutdown, bound)
+            idle = await self._executor.aclose(bound)
             if self._callbacks is not None:
                 self._callbacks.shutdown(0)
                 self._callbacks = None
