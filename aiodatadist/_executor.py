@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -25,13 +26,19 @@ from typing import Any, Final
 from . import _native
 from .errors import LLMException, LLMStatusCode, format_error, from_native
 
-__all__ = ["Job", "TransferExecutor"]
+__all__ = ["INLINE_MAX_BYTES", "Job", "TransferExecutor"]
 
 log = logging.getLogger("aiodatadist.executor")
 
 Job = Callable[[_native.Control], Any]
 
 _STOP: Final = object()
+
+WORKER_NICE: Final = 5
+"""How much lower than the loop thread the transfer threads run (a nice increment)."""
+
+INLINE_MAX_BYTES: Final = 64 * 1024
+"""Local copies up to this size run inline on the loop thread (a few microseconds)."""
 _pool_ids = itertools.count(1)
 
 
@@ -96,6 +103,11 @@ class TransferExecutor:
         return self._in_flight
 
     def _worker(self) -> None:
+        # Movers yield the CPU to the event loop: on a machine with fewer cores than
+        # busy threads the loop thread would otherwise wait a whole timeslice to run.
+        # (Linux nice values are per thread; the mover's helper threads inherit it.)
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
         while True:
             item = self._queue.get()
             if item is _STOP:
@@ -138,6 +150,7 @@ class TransferExecutor:
         deadline: float | None,
         api: str,
         control: _native.Control | None = None,
+        inline: bool = False,
     ) -> Any:
         """Runs ``job`` on a worker thread and returns its result.
 
@@ -146,6 +159,9 @@ class TransferExecutor:
             deadline: absolute ``loop.time()`` after which the job is aborted, or None.
             api: the public API name, used in error messages.
             control: an existing abort/progress token, or None for a new one.
+            inline: run the job on the calling (loop) thread. Only for jobs that take
+                microseconds (a local copy of at most ``INLINE_MAX_BYTES``): they cannot
+                be aborted, and cost less than the thread handoff.
 
         Raises:
             LLMTimeoutError: the deadline passed; the native job has returned by then.
@@ -155,6 +171,12 @@ class TransferExecutor:
         """
         loop = asyncio.get_running_loop()
         ctl = control if control is not None else _native.Control()
+        if inline:
+            # A job this small costs less than the two thread handoffs it would need.
+            try:
+                return job(ctl)
+            except _native.NativeError as exc:
+                raise from_native(exc, api) from exc
         fut = self.submit(job, ctl)
         expired = False
 

@@ -42,6 +42,9 @@ class _FifoSlot:
         return self._lock.locked()
 
     async def acquire(self, deadline: float | None, api: str) -> None:
+        if not self._lock.locked():
+            await self._lock.acquire()  # free: taken without a timer
+            return
         try:
             async with asyncio.timeout_at(deadline):
                 await self._lock.acquire()

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -47,10 +48,11 @@ constexpr uint64_t kChunk = 4ull << 20;
 
 // Abort token + progress counter for one job. Python reads bytes_done at any
 // time without blocking; abort() may be called from any thread. The eventfd
-// lets socket movers wake from poll() the moment an abort is requested.
+// lets socket movers wake from poll() the moment an abort is requested; it is
+// created on first use, so jobs that never wait on a socket don't pay for it.
 class Control {
  public:
-  Control();
+  Control() = default;
   ~Control();
   Control(const Control&) = delete;
   Control& operator=(const Control&) = delete;
@@ -58,7 +60,8 @@ class Control {
   void abort() noexcept;
   bool aborted() const noexcept { return aborted_.load(std::memory_order_acquire); }
   void reset() noexcept;
-  int wake_fd() const noexcept { return efd_; }
+  // The eventfd to poll for an abort; throws NO_MEMORY when one cannot be made.
+  int wake_fd();
 
   void add_done(uint64_t n) noexcept { done_.fetch_add(n, std::memory_order_relaxed); }
   uint64_t bytes_done() const noexcept { return done_.load(std::memory_order_relaxed); }
@@ -74,6 +77,7 @@ class Control {
   std::atomic<bool> aborted_{false};
   std::atomic<uint64_t> done_{0};
   std::atomic<uint64_t> total_{0};
+  std::mutex efd_mu_;
   int efd_ = -1;
 };
 

@@ -12,20 +12,33 @@
 
 namespace aiodd {
 
-Control::Control() {
-  efd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (efd_ < 0) throw Error(Status::NO_MEMORY, std::string("eventfd: ") + std::strerror(errno), errno);
-}
-
 Control::~Control() {
   if (efd_ >= 0) ::close(efd_);
 }
 
+int Control::wake_fd() {
+  std::lock_guard<std::mutex> lock(efd_mu_);
+  if (efd_ < 0) {
+    efd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (efd_ < 0) throw Error(Status::NO_MEMORY, std::string("eventfd: ") + std::strerror(errno), errno);
+    // An abort that came before the eventfd existed must still wake the poller.
+    if (aborted()) {
+      uint64_t one = 1;
+      ssize_t r = ::write(efd_, &one, sizeof one);
+      (void)r;
+    }
+  }
+  return efd_;
+}
+
 void Control::abort() noexcept {
   if (!aborted_.exchange(true, std::memory_order_acq_rel)) {
-    uint64_t one = 1;
-    ssize_t r = ::write(efd_, &one, sizeof one);
-    (void)r;
+    std::lock_guard<std::mutex> lock(efd_mu_);
+    if (efd_ >= 0) {
+      uint64_t one = 1;
+      ssize_t r = ::write(efd_, &one, sizeof one);
+      (void)r;
+    }
   }
 }
 
@@ -33,8 +46,9 @@ void Control::reset() noexcept {
   aborted_.store(false, std::memory_order_release);
   done_.store(0, std::memory_order_relaxed);
   total_.store(0, std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(efd_mu_);
   uint64_t v;
-  while (::read(efd_, &v, sizeof v) > 0) {
+  while (efd_ >= 0 && ::read(efd_, &v, sizeof v) > 0) {
   }
 }
 

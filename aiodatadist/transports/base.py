@@ -32,9 +32,16 @@ class Call:
     executor: TransferExecutor
     mover_threads: int = 2
 
-    async def run(self, job: Callable[[_native.Control], Any]) -> Any:
-        """Runs a blocking native job under this call's deadline (see TransferExecutor.run)."""
-        return await self.executor.run(job, deadline=self.deadline, api=self.api)
+    async def run(self, job: Callable[[_native.Control], Any], *, local_bytes: int = -1) -> Any:
+        """Runs a blocking native job under this call's deadline (see TransferExecutor.run).
+
+        ``local_bytes``: the size of a local (memcpy) job; one of at most
+        ``INLINE_MAX_BYTES`` runs inline on the loop thread.
+        """
+        from .._executor import INLINE_MAX_BYTES
+
+        inline = 0 <= local_bytes <= INLINE_MAX_BYTES
+        return await self.executor.run(job, deadline=self.deadline, api=self.api, inline=inline)
 
 
 class Channel(abc.ABC):

@@ -30,14 +30,16 @@ class InprocChannel(Channel):
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
     ) -> None:
         await call.run(
-            functools.partial(_copy, plan, remote.addrs, local.addrs, call.mover_threads)
+            functools.partial(_copy, plan, remote.addrs, local.addrs, call.mover_threads),
+            local_bytes=plan.total_bytes,
         )
 
     async def push(
         self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call
     ) -> None:
         await call.run(
-            functools.partial(_copy, plan, local.addrs, remote.addrs, call.mover_threads)
+            functools.partial(_copy, plan, local.addrs, remote.addrs, call.mover_threads),
+            local_bytes=plan.total_bytes,
         )
 
 

@@ -57,13 +57,19 @@ class ShmPath:
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
     ) -> None:
         src = self._addrs(call.api, remote, writable=False)
-        await call.run(functools.partial(_copy, plan, src, local.addrs, call.mover_threads))
+        await call.run(
+            functools.partial(_copy, plan, src, local.addrs, call.mover_threads),
+            local_bytes=plan.total_bytes,
+        )
 
     async def push(
         self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call
     ) -> None:
         dst = self._addrs(call.api, remote, writable=True)
-        await call.run(functools.partial(_copy, plan, local.addrs, dst, call.mover_threads))
+        await call.run(
+            functools.partial(_copy, plan, local.addrs, dst, call.mover_threads),
+            local_bytes=plan.total_bytes,
+        )
 
     def forget(self, live_names: set[str], busy: bool) -> None:
         """Unmaps segments the peer no longer lists (not while transfers run)."""
