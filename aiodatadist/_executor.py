@@ -175,8 +175,8 @@ class TransferExecutor:
             # A job this small costs less than the two thread handoffs it would need.
             try:
                 return job(ctl)
-            except _native.NativeError as exc:
-                raise from_native(exc, api) from exc
+            except _native.NativeError as err:
+                raise from_native(err, api) from err
         fut = self.submit(job, ctl)
         expired = False
 
@@ -205,13 +205,13 @@ class TransferExecutor:
         finally:
             if timer is not None:
                 timer.cancel()
-        exc = fut.exception()
+        failure = fut.exception()
         if cancelled:
             raise asyncio.CancelledError()
-        if exc is None:
+        if failure is None:
             return fut.result()
-        if isinstance(exc, _native.NativeError):
-            if exc.status == _native.Status.ABORTED and expired:
+        if isinstance(failure, _native.NativeError):
+            if failure.status == _native.Status.ABORTED and expired:
                 raise LLMException(
                     format_error(
                         api,
@@ -220,8 +220,8 @@ class TransferExecutor:
                     ),
                     status_code=LLMStatusCode.LLM_TIMEOUT,
                 ) from None
-            raise from_native(exc, api) from exc
-        raise exc
+            raise from_native(failure, api) from failure
+        raise failure
 
     async def aclose(self, timeout: float | None = 5.0) -> bool:
         """:meth:`shutdown` without blocking the loop: the wait runs on a helper thread."""

@@ -11,7 +11,8 @@ Three measurements, each against a baseline measured in the same run:
 3. event-loop lag during that pull: a 1 ms ticker records how late each tick
    fires (goal: p99 < 2 ms).
 
-Run: ``.venv/bin/python bench/bench_engine.py [--repeats N] [--quick] [--loop uvloop] [--json PATH]``.
+Run: ``.venv/bin/python bench/bench_engine.py [--repeats N] [--quick] [--loop uvloop]``
+(``--json PATH`` writes the figures).
 Medians of repeated runs; the machine is noisy, so read ratios, not absolutes.
 """
 
@@ -30,10 +31,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workloads import WORKLOADS, random_blocks  # noqa: E402
+from workloads import WORKLOADS, random_blocks
 
-from aiodatadist import _native  # noqa: E402
-from aiodatadist.testing import inproc_pair, make_blocks_cache  # noqa: E402
+from aiodatadist import _native
+from aiodatadist.testing import inproc_pair, make_blocks_cache
 
 
 def _pct(xs: list[float], p: float) -> float:
