@@ -116,7 +116,7 @@ async def big(pair: Any, repeats: int, num_blocks: int, count: int) -> dict[str,
     ok = all(
         np.array_equal(dst.tensors[t][d].view(np.uint8), src.tensors[t][s].view(np.uint8))
         for t in (0, w.num_tensors - 1)
-        for s, d in zip(sb, db)
+        for s, d in zip(sb, db, strict=True)
     )
     f, n = statistics.median(facade), statistics.median(native)
     return {
