@@ -786,10 +786,13 @@ class CacheManager:
             cache: a non-block cache of this instance.
             batch_index: the local row.
             size: bytes per tensor; -1 = the local row stride.
-            src_layer_range, dst_layer_range, tensor_num_per_layer, timeout: as ``pull_blocks``.
+            src_layer_range: remote layers (step 1); None = all, as ``pull_blocks``.
+            dst_layer_range: local layers (step 1); None = all, as ``pull_blocks``.
+            tensor_num_per_layer: tensors per layer (K,V = 2), as ``pull_blocks``.
+            timeout: seconds for the whole call; None = ``sync_kv_timeout``, as ``pull_blocks``.
 
         Raises:
-            As ``pull_blocks``.
+            LLMException: as ``pull_blocks`` (``TypeError`` for a wrong argument type).
         """
         api = "pull_cache"
         self._require_ready()
