@@ -141,7 +141,7 @@ HEADER_SIZE = HEADER.size  # 16
 KNOWN_FLAGS = 0
 """Header flag bits this version understands (none yet); any other bit is refused."""
 
-MAX_JSON = 4 * 1024 * 1024
+MAX_JSON = 16 * 1024 * 1024
 """Largest JSON body (``WELCOME`` and ``TABLE``, which carry the cache table)."""
 MAX_SMALL_JSON = 64 * 1024
 """Largest JSON body of every other message type."""

@@ -14,6 +14,7 @@ call raises ``RuntimeError``.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import weakref
 from collections.abc import Sequence
@@ -336,6 +337,13 @@ class LLMDataDist:
             return LLMStatusCode.LLM_LINK_FAILED
         if self._cluster_id in peer._registry:
             return LLMStatusCode.LLM_ALREADY_LINK
+        mine_secret, theirs_secret = self._options.shared_secret, peer._options.shared_secret
+        if (mine_secret or theirs_secret) and not hmac.compare_digest(
+            mine_secret or b"", theirs_secret or b""
+        ):
+            # The same rule as across processes: a secret, when set, is required of every peer.
+            log.warning("link_clusters: cluster %d has a different shared secret", peer.cluster_id)
+            return LLMStatusCode.LLM_LINK_FAILED
         assert self._cache_manager is not None and peer._cache_manager is not None
         slot = _FifoSlot()  # one slot for both ends: upstream's per-link mutex
         mine = Link(
