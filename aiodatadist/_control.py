@@ -597,7 +597,11 @@ class ControlServer:
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         dd = self.dd
-        msg = await _wire.read_message(reader, timeout=HANDSHAKE_TIMEOUT)
+        msg = await _wire.read_message(
+            reader,
+            timeout=HANDSHAKE_TIMEOUT,
+            accept=(_wire.MsgType.HELLO, _wire.MsgType.DATA_HELLO),
+        )
         if msg.type == _wire.MsgType.DATA_HELLO:
             await self._data_stream(msg, writer)
             return
@@ -624,7 +628,9 @@ class ControlServer:
                 "auth_required": secret is not None,
             },
         )
-        auth = await _wire.read_message(reader, timeout=HANDSHAKE_TIMEOUT)
+        auth = await _wire.read_message(
+            reader, timeout=HANDSHAKE_TIMEOUT, accept=(_wire.MsgType.AUTH,)
+        )
         if auth.type != _wire.MsgType.AUTH:
             writer.close()
             return
@@ -665,7 +671,9 @@ class ControlServer:
                 "mac": mac,
             },
         )
-        first = await _wire.read_message(reader, timeout=HANDSHAKE_TIMEOUT)
+        first = await _wire.read_message(
+            reader, timeout=HANDSHAKE_TIMEOUT, accept=(_wire.MsgType.TABLE,)
+        )
         if first.type != _wire.MsgType.TABLE:
             writer.close()
             return
