@@ -65,7 +65,12 @@ _TENSORS_PER_LAYER = 2  # TransferConfig.dst_addrs: K and V of each layer
 
 
 class LLMRole(enum.IntEnum):
-    """Role label of an ``LLMDataDist``; in cache-manager mode it does not restrict any call."""
+    """Role of an ``LLMDataDist``: ``PROMPT`` (prefill), ``DECODER`` or ``MIX`` (both).
+
+    Unlike upstream's cache-manager mode, the role restricts two calls: ``pull_blocks``
+    and ``pull_cache`` need ``DECODER`` or ``MIX``, ``transfer_cache_async`` needs
+    ``PROMPT`` or ``MIX`` (otherwise ``LLMException(LLM_FAILED)``).
+    """
 
     PROMPT = 1
     DECODER = 2
