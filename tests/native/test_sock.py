@@ -1,0 +1,429 @@
+"""Socket movers: segments sent straight from source memory and received straight into
+destination segments, over socketpairs (threads) and TCP loopback (two processes)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import resource
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _helpers import (
+    Background,
+    Worker,
+    abort_after,
+    accept_streams,
+    bases,
+    differing,
+    geometry_of,
+    layer_range_args,
+    pattern,
+    plan_to_json,
+    raises,
+    reference_blocks,
+    tcp_listener,
+)
+
+from aiodatadist import _native as n
+from aiodatadist._native import Status
+
+CHUNK = n.CHUNK_BYTES
+BB = 2048
+PROMPT = 2.0  # generous bound for "returns promptly"
+
+
+@contextlib.contextmanager
+def socketpairs(count: int) -> Iterator[tuple[list[socket.socket], list[socket.socket]]]:
+    pairs = [socket.socketpair() for _ in range(count)]
+    try:
+        yield [a for a, _ in pairs], [b for _, b in pairs]
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+def fds(socks: list[socket.socket]) -> list[int]:
+    return [s.fileno() for s in socks]
+
+
+def block_case(
+    tpl: int, seed: int, nblk: int = 24, bb: int = BB
+) -> tuple[np.ndarray, np.ndarray, n.Plan, np.ndarray]:
+    """src/dst tensors (3 layers x tpl), a plan of layers [1, 3) -> [0, 2), and the expected dst."""
+    src = pattern(3 * tpl, nblk * bb, seed=seed)
+    dst = pattern(3 * tpl, 16 * bb, seed=seed + 1)
+    src_blocks = [nblk - 1, 0, 1, 2, 9, 5]
+    dst_blocks = [4, 7, 8, 9, 15, 0]
+    args = layer_range_args(tpl, (1, 3), (0, 2))
+    plan = n.Plan.blocks(geometry_of(src, bb), geometry_of(dst, bb), src_blocks, dst_blocks, *args)
+    return src, dst, plan, reference_blocks(src, dst, bb, src_blocks, dst_blocks, *args)
+
+
+def transfer_in_process(
+    plan: n.Plan, src: np.ndarray, dst: np.ndarray, streams: int
+) -> tuple[int, int]:
+    with socketpairs(streams) as (tx, rx):
+        send_ctl, recv_ctl = n.Control(), n.Control()
+        sender = Background(n.sock_send, fds(tx), plan, bases(src), send_ctl)
+        n.sock_recv(fds(rx), plan, bases(dst), recv_ctl)
+        sender.join()
+    assert send_ctl.total == recv_ctl.total == plan.total_bytes
+    return send_ctl.bytes_done, recv_ctl.bytes_done
+
+
+# ------------------------------------------------------------------ in-process (socketpair)
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+@pytest.mark.parametrize("tpl", [1, 2, 4])
+def test_socketpair_matches_numpy_reference(tpl: int, streams: int) -> None:
+    src, dst, plan, want = block_case(tpl, seed=tpl)
+    sent, received = transfer_in_process(plan, src, dst, streams)
+    assert np.array_equal(dst, want), differing(dst, want)
+    assert sent == received == plan.total_bytes
+
+
+@pytest.mark.parametrize("streams", [1, 2, 3])
+def test_large_transfer_with_partial_writes(streams: int) -> None:
+    # 24 MiB, far more than a socket buffer: every sendmsg/readv is partial at times,
+    # and the stream split cuts segments in the middle.
+    bb, nblk = 96 << 10, 256
+    src = pattern(1, nblk * bb, seed=9)
+    dst = np.zeros_like(src)
+    perm = np.random.default_rng(1).permutation(nblk).tolist()
+    g = geometry_of(src, bb)
+    plan = n.Plan.blocks(g, g, list(range(nblk)), perm, 0, 0, 1)
+    want = reference_blocks(src, dst, bb, list(range(nblk)), perm, 0, 0, 1)
+    sent, received = transfer_in_process(plan, src, dst, streams)
+    assert np.array_equal(dst, want), differing(dst, want)
+    assert sent == received == plan.total_bytes
+
+
+def test_more_segments_than_iov_max() -> None:
+    bb, nblk = 32, 4000
+    src = pattern(2, nblk * bb, seed=3)
+    dst = pattern(2, nblk * bb, seed=4)
+    src_blocks = list(range(0, nblk, 2))
+    dst_blocks = list(range(1, nblk, 2))
+    g = geometry_of(src, bb)
+    plan = n.Plan.blocks(g, g, src_blocks, dst_blocks, 0, 0, 2)
+    assert plan.num_segments == 2 * len(src_blocks) > 2 * n.IOV_MAX
+    want = reference_blocks(src, dst, bb, src_blocks, dst_blocks, 0, 0, 2)
+    sent, received = transfer_in_process(plan, src, dst, 1)
+    assert np.array_equal(dst, want), differing(dst, want)
+    assert sent == received == plan.total_bytes
+
+
+def test_blocking_mode_of_the_fds_is_restored() -> None:
+    src, dst, plan, _ = block_case(1, seed=5)
+    with socketpairs(1) as (tx, rx):
+        rx[0].setblocking(False)
+        send_ctl = n.Control()
+        sender = Background(n.sock_send, fds(tx), plan, bases(src), send_ctl)
+        n.sock_recv(fds(rx), plan, bases(dst), n.Control())
+        sender.join()
+        assert not fcntl.fcntl(tx[0].fileno(), fcntl.F_GETFL) & os.O_NONBLOCK
+        assert fcntl.fcntl(rx[0].fileno(), fcntl.F_GETFL) & os.O_NONBLOCK
+
+
+def test_signals_during_a_blocked_recv_are_survived() -> None:
+    # Signals interrupt poll() with EINTR; the mover must carry on and finish.
+    src, dst, plan, want = block_case(2, seed=6)
+    hits: list[int] = []
+    old = signal.signal(signal.SIGUSR1, lambda *_: hits.append(1))
+    main = threading.get_ident()
+
+    def late_sender(tx: list[socket.socket]) -> None:
+        for _ in range(5):
+            time.sleep(0.02)
+            signal.pthread_kill(main, signal.SIGUSR1)
+        n.sock_send(fds(tx), plan, bases(src), n.Control())
+
+    try:
+        with socketpairs(1) as (tx, rx):
+            sender = Background(late_sender, tx)
+            ctl = n.Control()
+            n.sock_recv(fds(rx), plan, bases(dst), ctl)
+            sender.join()
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert np.array_equal(dst, want), differing(dst, want)
+    assert ctl.bytes_done == plan.total_bytes
+    assert hits, "the signal handler never ran"
+
+
+# ------------------------------------------------------------------ peer close, abort
+
+
+def test_peer_close_mid_recv_is_peer_closed() -> None:
+    _, dst, plan, _ = block_case(4, seed=7)
+    part = plan.total_bytes // 3
+    with socketpairs(1) as (tx, rx):
+        tx[0].sendall(b"x" * part)
+        tx[0].close()
+        ctl = n.Control()
+        start = time.monotonic()
+        with raises(Status.PEER_CLOSED, f"after {part} of {plan.total_bytes} bytes"):
+            n.sock_recv(fds(rx), plan, bases(dst), ctl)
+    assert time.monotonic() - start < PROMPT
+    assert ctl.bytes_done == part
+
+
+def test_peer_close_mid_send_is_peer_closed() -> None:
+    size = 64 << 20
+    src = np.zeros((1, size), dtype=np.uint8)
+    g = n.Geometry(1, size >> 20, 1 << 20)
+    plan = n.Plan.blocks(g, g, list(range(g.num_blocks)), list(range(g.num_blocks)), 0, 0, 1)
+    with socketpairs(1) as (tx, rx):
+        ctl = n.Control()
+        sender = Background(n.sock_send, fds(tx), plan, bases(src), ctl)
+        rx[0].recv(1000)
+        rx[0].close()
+        err = sender.join_error(PROMPT * 5)
+    assert isinstance(err, n.NativeError) and err.status == Status.PEER_CLOSED, err
+    assert "peer closed" in str(err)
+    assert 0 < ctl.bytes_done < size
+
+
+def test_abort_during_blocked_recv_returns_promptly() -> None:
+    _, dst, plan, _ = block_case(1, seed=8)
+    before = dst.copy()
+    with socketpairs(2) as (_tx, rx):
+        ctl = n.Control()
+        timer = threading.Timer(0.2, ctl.abort)
+        start = time.monotonic()
+        timer.start()
+        try:
+            with raises(Status.ABORTED):
+                n.sock_recv(fds(rx), plan, bases(dst), ctl)  # the peer sends nothing
+        finally:
+            timer.cancel()
+            timer.join()
+        elapsed = time.monotonic() - start
+    assert 0.15 < elapsed < PROMPT, elapsed
+    assert ctl.bytes_done == 0
+    assert np.array_equal(dst, before)
+
+
+def test_abort_during_blocked_send_returns_promptly() -> None:
+    size = 32 << 20
+    src = np.zeros((1, size), dtype=np.uint8)
+    g = n.Geometry(1, size >> 20, 1 << 20)
+    plan = n.Plan.blocks(g, g, list(range(g.num_blocks)), list(range(g.num_blocks)), 0, 0, 1)
+    with socketpairs(1) as (tx, _rx):
+        ctl = n.Control()
+        timer = threading.Timer(0.2, ctl.abort)
+        start = time.monotonic()
+        timer.start()
+        try:
+            with raises(Status.ABORTED):
+                n.sock_send(fds(tx), plan, bases(src), ctl)  # nobody reads
+        finally:
+            timer.cancel()
+            timer.join()
+        elapsed = time.monotonic() - start
+    assert 0.15 < elapsed < PROMPT, elapsed
+    assert 0 < ctl.bytes_done < size
+
+
+def test_abort_mid_transfer_stops_within_one_chunk() -> None:
+    size = 128 << 20
+    src = np.zeros((1, size), dtype=np.uint8)
+    dst = np.ones((1, size), dtype=np.uint8)
+    g = n.Geometry(1, size >> 20, 1 << 20)
+    plan = n.Plan.blocks(g, g, list(range(g.num_blocks)), list(range(g.num_blocks)), 0, 0, 1)
+    with socketpairs(1) as (tx, rx):
+        send_ctl, recv_ctl = n.Control(), n.Control()
+        sender = Background(n.sock_send, fds(tx), plan, bases(src), send_ctl)
+        receiver = Background(n.sock_recv, fds(rx), plan, bases(dst), recv_ctl)
+        at_abort = abort_after(recv_ctl, 2 * CHUNK)
+        err = receiver.join_error()
+        send_ctl.abort()
+        sender.join_error()
+    assert isinstance(err, n.NativeError) and err.status == Status.ABORTED, err
+    done = recv_ctl.bytes_done
+    assert at_abort <= done <= at_abort + CHUNK and done < size, (at_abort, done)
+    assert not dst[0, :done].any() and dst[0, done:].all()
+
+
+def test_abort_before_start_sends_nothing() -> None:
+    src, _, plan, _ = block_case(1, seed=9)
+    with socketpairs(1) as (tx, rx):
+        ctl = n.Control()
+        ctl.abort()
+        with raises(Status.ABORTED):
+            n.sock_send(fds(tx), plan, bases(src), ctl)
+        rx[0].setblocking(False)
+        with pytest.raises(BlockingIOError):
+            rx[0].recv(1)
+    assert ctl.bytes_done == 0
+
+
+# ------------------------------------------------------------------ bad arguments
+
+
+def test_bad_arguments() -> None:
+    src, dst, plan, _ = block_case(1, seed=10)
+    with raises(Status.PARAM_INVALID, "no socket fds"):
+        n.sock_send([], plan, bases(src), n.Control())
+    with raises(Status.PARAM_INVALID, "negative"):
+        n.sock_recv([-1], plan, bases(dst), n.Control())
+    with raises(Status.PARAM_INVALID, "source addresses"):
+        n.sock_send([0], plan, [], n.Control())
+    with raises(Status.PARAM_INVALID, "destination addresses"):
+        n.sock_recv([0], plan, [], n.Control())
+    with raises(Status.PARAM_INVALID, "expected 3 destination addresses, got 2"):
+        n.sock_recv([0], plan, bases(dst)[:2], n.Control())
+    # Not a just-closed fd: its number could be handed out again before the call
+    # (to the very eventfd of a Control), and the mover would wait on that.
+    closed_fd = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 1
+    with pytest.raises(OSError):
+        os.fstat(closed_fd)
+    ctl = n.Control()
+    with raises(Status.PARAM_INVALID, "bad socket fd"):
+        n.sock_recv([closed_fd], plan, bases(dst), ctl)
+
+
+# ------------------------------------------------------------------ two processes (TCP loopback)
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+@pytest.mark.parametrize("direction", ["pull", "push"])
+def test_tcp_between_processes(
+    shared_worker: Worker, tmp_path: Path, streams: int, direction: str
+) -> None:
+    tpl, bb, nblk = 2, 16 << 10, 64
+    rows = 3 * tpl
+    # pull: the worker holds the source and sends; push: this process sends to the worker.
+    src_seed, dst_seed = 100 + streams, 200 + streams
+    src = pattern(rows, nblk * bb, seed=src_seed)
+    dst = pattern(rows, nblk * bb, seed=dst_seed)
+    rng = np.random.default_rng(streams)
+    src_blocks = rng.permutation(nblk)[:40].tolist()
+    dst_blocks = sorted(rng.permutation(nblk)[:40].tolist())
+    args = layer_range_args(tpl, (0, 2), (1, 3))
+    g = geometry_of(src, bb)
+    plan = n.Plan.blocks(g, g, src_blocks, dst_blocks, *args)
+    want = reference_blocks(src, dst, bb, src_blocks, dst_blocks, *args)
+    name = f"tcp-{direction}-{streams}"
+    shared_worker.call(
+        op="alloc",
+        name=name,
+        rows=rows,
+        cols=nblk * bb,
+        seed=src_seed if direction == "pull" else dst_seed,
+    )
+
+    with contextlib.closing(tcp_listener()) as lst:
+        port = lst.getsockname()[1]
+        shared_worker.send(
+            op="sock",
+            dir="send" if direction == "pull" else "recv",
+            port=port,
+            streams=streams,
+            plan=plan_to_json(plan),
+            name=name,
+        )
+        conns = accept_streams(lst, streams)
+        try:
+            ctl = n.Control()
+            if direction == "pull":
+                n.sock_recv(fds(conns), plan, bases(dst), ctl)
+            else:
+                n.sock_send(fds(conns), plan, bases(src), ctl)
+        finally:
+            for c in conns:
+                c.close()
+    reply = shared_worker.recv()
+    assert reply["ok"], reply
+    assert reply["bytes_done"] == reply["total"] == ctl.bytes_done == plan.total_bytes
+
+    if direction == "pull":
+        got = dst
+    else:
+        shared_worker.call(op="dump", name=name, path=str(tmp_path / "d.npy"))
+        got = np.load(tmp_path / "d.npy")
+    assert np.array_equal(got, want), differing(got, want)
+
+
+def test_tcp_more_segments_than_iov_max(shared_worker: Worker) -> None:
+    bb, nblk = 16, 5000
+    src = pattern(1, nblk * bb, seed=300)
+    dst = np.zeros_like(src)
+    src_blocks = list(range(0, nblk, 2))
+    dst_blocks = list(range(nblk - 1, 0, -2))
+    g = geometry_of(src, bb)
+    plan = n.Plan.blocks(g, g, src_blocks, dst_blocks, 0, 0, 1)
+    assert plan.num_segments > 2 * n.IOV_MAX
+    shared_worker.call(op="alloc", name="tcp-iov", rows=1, cols=nblk * bb, seed=300)
+    with contextlib.closing(tcp_listener()) as lst:
+        shared_worker.send(
+            op="sock",
+            dir="send",
+            port=lst.getsockname()[1],
+            streams=2,
+            plan=plan_to_json(plan),
+            name="tcp-iov",
+        )
+        conns = accept_streams(lst, 2)
+        try:
+            n.sock_recv(fds(conns), plan, bases(dst), n.Control())
+        finally:
+            for c in conns:
+                c.close()
+    assert shared_worker.recv()["ok"]
+    want = reference_blocks(src, np.zeros_like(src), bb, src_blocks, dst_blocks, 0, 0, 1)
+    assert np.array_equal(dst, want), differing(dst, want)
+
+
+def test_tcp_peer_killed_mid_recv_is_peer_closed(worker: Worker) -> None:
+    _, dst, plan, _ = block_case(2, seed=11)
+    part = plan.total_bytes // 2
+    worker.call(op="alloc", name="s", rows=1, cols=part, seed=1)
+    with contextlib.closing(tcp_listener()) as lst:
+        worker.send(op="send_raw", port=lst.getsockname()[1], name="s", nbytes=part)
+        (conn,) = accept_streams(lst, 1)
+        with conn:
+            assert worker.recv()["ok"]
+            killer = threading.Timer(0.2, worker.kill)
+            killer.start()
+            ctl = n.Control()
+            start = time.monotonic()
+            try:
+                with raises(Status.PEER_CLOSED, f"after {part} of"):
+                    n.sock_recv([conn.fileno()], plan, bases(dst), ctl)
+            finally:
+                killer.cancel()
+                killer.join()
+            assert time.monotonic() - start < PROMPT + 5
+    assert ctl.bytes_done == part
+
+
+def test_tcp_peer_killed_mid_send_is_peer_closed(worker: Worker) -> None:
+    size = 64 << 20
+    src = np.zeros((1, size), dtype=np.uint8)
+    g = n.Geometry(1, size >> 20, 1 << 20)
+    plan = n.Plan.blocks(g, g, list(range(g.num_blocks)), list(range(g.num_blocks)), 0, 0, 1)
+    with contextlib.closing(tcp_listener()) as lst:
+        worker.send(op="connect_idle", port=lst.getsockname()[1])
+        (conn,) = accept_streams(lst, 1)
+        with conn:
+            assert worker.recv()["ok"]
+            ctl = n.Control()
+            sender = Background(n.sock_send, [conn.fileno()], plan, bases(src), ctl)
+            abort_after_fill = time.monotonic() + 10
+            while ctl.bytes_done == 0 and time.monotonic() < abort_after_fill:
+                time.sleep(0.01)
+            worker.kill()
+            err = sender.join_error(PROMPT + 5)
+    assert isinstance(err, n.NativeError) and err.status == Status.PEER_CLOSED, err
+    assert 0 < ctl.bytes_done < size
