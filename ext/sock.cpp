@@ -133,8 +133,15 @@ void stream(int fd, const std::vector<Piece>& pieces, bool send, Control& ctl) {
 void run_streams(const std::vector<int>& fds, const std::vector<Piece>& pieces, uint64_t total, bool send,
                  Control& ctl) {
   if (fds.empty()) throw Error(Status::PARAM_INVALID, "no socket fds given");
-  for (int fd : fds)
+  for (int fd : fds) {
     if (fd < 0) throw Error(Status::PARAM_INVALID, "negative socket fd");
+    // A descriptor that is not a stream socket (a reused fd number, say) would
+    // never become readable: refuse it rather than wait on it.
+    int type = 0;
+    socklen_t len = sizeof type;
+    if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM)
+      throw Error(Status::PARAM_INVALID, "fd " + std::to_string(fd) + " is not a connected stream socket");
+  }
   ctl.set_total(total);
   auto parts = split_even(pieces, total, fds.size());
   run_parallel(fds.size(), ctl, [&](size_t i) { stream(fds[i], parts[i], send, ctl); });

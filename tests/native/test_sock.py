@@ -289,8 +289,17 @@ def test_bad_arguments() -> None:
     with pytest.raises(OSError):
         os.fstat(closed_fd)
     ctl = n.Control()
-    with raises(Status.PARAM_INVALID, "bad socket fd"):
+    with raises(Status.PARAM_INVALID, "not a connected stream socket"):
         n.sock_recv([closed_fd], plan, bases(dst), ctl)
+    # A descriptor that is open but not a socket (here an eventfd-like pipe end)
+    # is refused up front instead of being waited on forever.
+    r, w = os.pipe()
+    try:
+        with raises(Status.PARAM_INVALID, "not a connected stream socket"):
+            n.sock_recv([r], plan, bases(dst), n.Control())
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 # ------------------------------------------------------------------ two processes (TCP loopback)
