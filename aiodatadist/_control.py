@@ -51,6 +51,9 @@ log = logging.getLogger("aiodatadist.control")
 HANDSHAKE_TIMEOUT = 10.0
 _ACK = b"\x01"
 _req_ids = itertools.count(1)
+# DATA_HELLO.stream = direction * _STREAM_SLOTS + i: the layout does not depend on
+# either side's TcpStreams, so peers configured differently still agree on it.
+_STREAM_SLOTS = 8
 
 
 def _ns_inode(name: str) -> str:
@@ -133,17 +136,17 @@ class Peer:
         self.table = table
         self.endpoint = endpoint
         self.same_host = info.host_id == host_identity()
-        self.n_streams = max(1, min(8, dd.options.tcp_streams))
+        self.n_streams = max(1, min(_STREAM_SLOTS, dd.options.tcp_streams))
         # streams[0]: client-initiated transfers; streams[1]: server-initiated.
-        self.streams: list[list[socket.socket | None]] = [
-            [None] * self.n_streams,
-            [None] * self.n_streams,
-        ]
+        # The client opens its own TcpStreams per direction; the server takes what comes.
+        slots = self.n_streams if is_client else _STREAM_SLOTS
+        self.streams: list[list[socket.socket | None]] = [[None] * slots, [None] * slots]
         self.streams_ready = [asyncio.Event(), asyncio.Event()]
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._pongs: dict[int, asyncio.Future[None]] = {}
         self._send_lock = asyncio.Lock()
-        self._requests: asyncio.Queue[_wire.Message] = asyncio.Queue()
+        # (request, loop time it arrived): its deadline counts from arrival, queueing included.
+        self._requests: asyncio.Queue[tuple[_wire.Message, float]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self.closed = asyncio.Event()
         self.on_close: Callable[[Peer], Awaitable[None]] | None = None
@@ -218,7 +221,7 @@ class Peer:
                     if fut is not None and not fut.done():
                         fut.set_result(msg.body)
                 elif t in (_wire.MsgType.PULL, _wire.MsgType.PUSH):
-                    self._requests.put_nowait(msg)
+                    self._requests.put_nowait((msg, asyncio.get_running_loop().time()))
                 elif t == _wire.MsgType.TABLE:
                     self._apply_table(msg.body["table"])
                 elif t == _wire.MsgType.PING:
@@ -247,20 +250,20 @@ class Peer:
 
     async def _serve_loop(self) -> None:
         while True:
-            msg = await self._requests.get()
+            msg, arrived = await self._requests.get()
             try:
-                await self._serve(msg)
+                await self._serve(msg, arrived)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("serving a request from cluster %d failed", self.info.cluster_id)
 
-    async def _serve(self, msg: _wire.Message) -> None:
+    async def _serve(self, msg: _wire.Message, arrived: float) -> None:
         """Serves one PULL (we send) or PUSH (we receive) against our registered memory."""
         body = msg.body
         req = int(body["req"])
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + int(body["deadline_ms"]) / 1000
+        deadline = arrived + int(body["deadline_ms"]) / 1000
         pull = msg.type == _wire.MsgType.PULL
         api = "serve_pull" if pull else "serve_push"
         status, info = LLMStatusCode.LLM_SUCCESS, ""
@@ -335,15 +338,17 @@ class Peer:
             self.streams[direction][i] = None
 
     def attach_stream(self, index: int, sock: socket.socket) -> bool:
-        direction, i = divmod(index, self.n_streams)
-        if direction > 1:
+        direction, i = divmod(index, _STREAM_SLOTS)
+        if direction > 1 or i >= len(self.streams[direction]):
             return False
         old = self.streams[direction][i]
         if old is not None:
             with contextlib.suppress(OSError):
                 old.close()
         self.streams[direction][i] = sock
-        if all(s is not None for s in self.streams[direction]):
+        # The client opened them all before it uses them; the server uses those that came.
+        need = self.streams[direction] if self.is_client else self.streams[direction][:1]
+        if all(s is not None for s in need):
             self.streams_ready[direction].set()
         return True
 
@@ -353,7 +358,7 @@ class Peer:
         self._drop_streams(direction)
         loop = asyncio.get_running_loop()
         host, port = self.endpoint
-        base = direction * self.n_streams
+        base = direction * _STREAM_SLOTS
         async with asyncio.timeout_at(deadline):
             for i in range(self.n_streams):
                 infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -383,7 +388,12 @@ class Peer:
             else:
                 async with asyncio.timeout_at(deadline):
                     await self.streams_ready[direction].wait()
-        return [s.fileno() for s in self.streams[direction] if s is not None]
+        fds = []
+        for s in self.streams[direction]:  # the leading run of connected streams
+            if s is None:
+                break
+            fds.append(s.fileno())
+        return fds
 
     async def request(
         self, msg_type: _wire.MsgType, body: dict[str, Any], binary: bytes

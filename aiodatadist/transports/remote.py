@@ -76,14 +76,23 @@ class RemoteChannel(Channel):
             status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
         )
 
+    def _unmap_freed(self) -> None:
+        # Segments of caches the peer freed stay mapped (and their memory alive) until
+        # unmapped here. Transfers on a link are serialized by its FIFO slot, so no
+        # transfer uses a mapping while this runs.
+        if self.shm is not None:
+            self.shm.forget({e.shm_name for e in self.peer.table if e.shm_name}, busy=False)
+
     async def pull(
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
     ) -> None:
+        self._unmap_freed()
         await self.path_for(call.api, remote).pull(plan, remote, local, call)
 
     async def push(
         self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call
     ) -> None:
+        self._unmap_freed()
         await self.path_for(call.api, remote).push(plan, local, remote, call)
 
     async def refresh(self, deadline: float | None) -> bool:

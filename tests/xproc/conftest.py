@@ -1,0 +1,29 @@
+"""Fixtures of the cross-process tests: no peer process outlives its test."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from xproc_harness import LIVE_PIDS, remove_segments
+
+
+@pytest.fixture(autouse=True)
+def _reap_peers() -> Iterator[None]:
+    """Kills and reaps any peer process a test left behind (the harness normally does)."""
+    yield
+    for pid in list(LIVE_PIDS):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, 0)
+        LIVE_PIDS.discard(pid)
+        remove_segments(pid)

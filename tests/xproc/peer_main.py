@@ -1,0 +1,275 @@
+"""The other process of the cross-process tests: one ``LLMDataDist`` driven over stdin.
+
+Run as ``python peer_main.py --role prompt --cluster-id 1 --listen 127.0.0.1:0 ...``.
+It initializes the instance, registers the caches of :mod:`xproc_common` (a
+prompt fills them from ``--seed``, a decoder leaves them zeroed), prints one
+JSON line ``{"event": "ready", "port": ..., "caches": {...}, ...}`` on stdout,
+then answers one JSON command per stdin line with one JSON line, until
+``{"cmd": "quit"}``, the end of stdin, or a signal.
+
+Commands (``cmd``; every reply has ``ok`` and, on failure, ``status``/``error``):
+
+* ``register`` ``{name, model_id, seed, allocate}``: a new blocks cache (after the link).
+* ``free`` ``{name}``: deallocates (or unregisters) one of them.
+* ``link`` / ``unlink`` ``{cluster_id, host, port, timeout}``: ``link_clusters`` /
+  ``unlink_clusters``; replies ``status`` and ``statuses``.
+* ``links``: ``[{cluster_id, data_path}]``.
+* ``pull_blocks`` ``{cluster_id, model_id, dst, src_blocks, dst_blocks, src_layers,
+  dst_layers, tpl, timeout}``: replies ``path`` (the data path used).
+* ``pull_cache`` ``{cluster_id, req_id, dst, batch_index, src_layers, dst_layers, tpl}``.
+* ``push`` ``{dst_cluster, src, model_id | dst_addrs, src_blocks, dst_blocks,
+  src_layers, dst_layers}``: ``transfer_cache_async`` to a linked peer; replies
+  ``status`` and ``results``.
+* ``digest`` ``{name}``: sha256 per tensor of one local cache.
+* ``quit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import traceback
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import xproc_common as xc
+
+from aiodatadist import (
+    BlocksCacheKey,
+    CacheKey,
+    LayerSynchronizer,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
+from aiodatadist.testing import cluster_info
+
+
+def emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+class Always(LayerSynchronizer):
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return True
+
+
+class PeerMain:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        role = LLMRole.PROMPT if args.role == "prompt" else LLMRole.DECODER
+        self.dd = LLMDataDist(role, args.cluster_id)
+        self.caches: dict[str, xc.Local] = {}
+
+    def options(self) -> dict[str, str]:
+        a = self.args
+        opts = {"aiodatadist.DataPath": a.data_path, "llm.SyncKvCacheWaitTime": str(a.sync_ms)}
+        if a.listen:
+            opts["llm.listenIpInfo"] = a.listen
+        if a.secret is not None:
+            opts["aiodatadist.SharedSecret"] = a.secret
+        if a.tcp_streams:
+            opts["aiodatadist.TcpStreams"] = str(a.tcp_streams)
+        return opts
+
+    def describe(self, local: xc.Local) -> dict[str, Any]:
+        return {"cache_id": local.cache.cache_id, "addrs": list(local.cache.tensor_addrs)}
+
+    async def start(self) -> None:
+        await self.dd.init(self.options())
+        seed = self.args.seed if self.args.role == "prompt" else None
+        self.caches = xc.make_caches(self.dd, seed, self.args.cluster_id, self.args.big_mib)
+        addr = self.dd.listen_address
+        from aiodatadist._control import host_identity
+
+        emit(
+            {
+                "event": "ready",
+                "pid": os.getpid(),
+                "host": None if addr is None else addr[0],
+                "port": None if addr is None else addr[1],
+                "host_id": host_identity(),
+                "caches": {n: self.describe(c) for n, c in self.caches.items()},
+            }
+        )
+
+    # ---------------------------------------------------------------- commands
+
+    async def cmd_register(self, c: dict[str, Any]) -> dict[str, Any]:
+        spec = xc.Spec(
+            c["name"],
+            True,
+            bool(c.get("allocate", False)),
+            (xc.NUM_BLOCKS, *xc.BLOCK_SHAPE),
+            model_id=int(c["model_id"]),
+        )
+        local = xc.make_cache(self.dd, spec, c.get("seed"), self.args.cluster_id)
+        self.caches[spec.name] = local
+        return {"ok": True, **self.describe(local)}
+
+    async def cmd_free(self, c: dict[str, Any]) -> dict[str, Any]:
+        local = self.caches.pop(c["name"])
+        cm = self.dd.cache_manager
+        if not local.spec.allocate:
+            cm.unregister_cache(local.cache.cache_id)
+        elif local.spec.blocks:
+            cm.deallocate_blocks_cache(local.cache)
+        else:
+            cm.deallocate_cache(local.cache)
+        return {"ok": True}
+
+    async def cmd_link(self, c: dict[str, Any]) -> dict[str, Any]:
+        info = cluster_info(int(c["cluster_id"]), c["host"], int(c["port"]))
+        status, statuses = await self.dd.link_clusters([info], int(c.get("timeout", 3000)))
+        return {"ok": True, "status": int(status), "statuses": [int(s) for s in statuses]}
+
+    async def cmd_unlink(self, c: dict[str, Any]) -> dict[str, Any]:
+        info = cluster_info(int(c["cluster_id"]))
+        status, statuses = await self.dd.unlink_clusters([info], int(c.get("timeout", 3000)))
+        return {"ok": True, "status": int(status), "statuses": [int(s) for s in statuses]}
+
+    async def cmd_links(self, c: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "ok": True,
+            "links": [
+                {"cluster_id": lk.remote_cluster_id, "data_path": lk.data_path}
+                for lk in self.dd.links
+            ],
+        }
+
+    def _path(self, cluster_id: int, remote: Any) -> str:
+        link = self.dd._registry.find(cluster_id)
+        if link is None or remote is None:
+            return "?"
+        return str(link.channel.path_for("probe", remote).name)
+
+    async def cmd_pull_blocks(self, c: dict[str, Any]) -> dict[str, Any]:
+        cid = int(c["cluster_id"])
+        key = BlocksCacheKey(cid, int(c["model_id"]))
+        await self.dd.cache_manager.pull_blocks(
+            key,
+            self.caches[c["dst"]].cache,
+            c["src_blocks"],
+            c["dst_blocks"],
+            src_layer_range=xc.layer_range(c.get("src_layers")),
+            dst_layer_range=xc.layer_range(c.get("dst_layers")),
+            tensor_num_per_layer=int(c.get("tpl", 2)),
+            timeout=c.get("timeout"),
+        )
+        link = self.dd._registry.find(cid)
+        remote = None if link is None else link.channel.remote_table.blocks(key.model_id)
+        return {"ok": True, "path": self._path(cid, remote)}
+
+    async def cmd_pull_cache(self, c: dict[str, Any]) -> dict[str, Any]:
+        cid = int(c["cluster_id"])
+        key = CacheKey(cid, req_id=int(c["req_id"]))
+        await self.dd.cache_manager.pull_cache(
+            key,
+            self.caches[c["dst"]].cache,
+            int(c.get("batch_index", 0)),
+            src_layer_range=xc.layer_range(c.get("src_layers")),
+            dst_layer_range=xc.layer_range(c.get("dst_layers")),
+            tensor_num_per_layer=int(c.get("tpl", 2)),
+            timeout=c.get("timeout"),
+        )
+        link = self.dd._registry.find(cid)
+        hit = None if link is None else link.channel.remote_table.row((key.req_id, 0))
+        return {"ok": True, "path": self._path(cid, None if hit is None else hit[0])}
+
+    async def cmd_push(self, c: dict[str, Any]) -> dict[str, Any]:
+        dst_cluster = int(c["dst_cluster"])
+        src_layers = xc.layer_range(c.get("src_layers")) or range(xc.NUM_TENSORS // 2)
+        dst_layers = xc.layer_range(c.get("dst_layers")) or src_layers
+        cfg: TransferConfig | TransferWithCacheKeyConfig
+        if c.get("dst_addrs") is not None:
+            cfg = TransferConfig(dst_cluster, c["dst_addrs"], src_layers)
+        else:
+            cfg = TransferWithCacheKeyConfig(
+                BlocksCacheKey(dst_cluster, int(c["model_id"])), src_layers, dst_layers
+            )
+        task = await self.dd.cache_manager.transfer_cache_async(
+            self.caches[c["src"]].cache, Always(), [cfg], c["src_blocks"], c["dst_blocks"]
+        )
+        status = await task.synchronize(int(c.get("timeout_ms", 10000)))
+        results = await task.get_results(1000)
+        return {
+            "ok": True,
+            "status": int(status),
+            "results": [None if r is None else int(r) for r in results],
+        }
+
+    async def cmd_digest(self, c: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": True, "sha": xc.digests(self.caches[c["name"]].matrix())}
+
+    async def handle(self, c: dict[str, Any]) -> dict[str, Any]:
+        fn = getattr(self, "cmd_" + str(c.get("cmd")), None)
+        if fn is None:
+            return {"ok": False, "error": f"unknown command {c.get('cmd')!r}"}
+        try:
+            return dict(await fn(c))
+        except LLMException as e:
+            return {"ok": False, "status": int(e.status_code), "error": str(e)}
+        except Exception as e:
+            return {"ok": False, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        stop_wait = loop.create_task(stop.wait())
+        try:
+            while True:
+                read = loop.create_task(reader.readline())
+                done, _ = await asyncio.wait({read, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if read not in done:
+                    read.cancel()
+                    break
+                line = read.result()
+                if not line:
+                    break
+                c = json.loads(line)
+                if c.get("cmd") == "quit":
+                    emit({"ok": True})
+                    break
+                reply = await self.handle(c)
+                reply["cmd"] = c.get("cmd")
+                emit(reply)
+        finally:
+            stop_wait.cancel()
+            await self.dd.finalize()
+
+
+async def amain(args: argparse.Namespace) -> None:
+    peer = PeerMain(args)
+    await peer.start()
+    await peer.serve()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", choices=["prompt", "decoder"], default="prompt")
+    p.add_argument("--cluster-id", type=int, required=True)
+    p.add_argument("--listen", default="")
+    p.add_argument("--data-path", default="auto")
+    p.add_argument("--secret", default=None)
+    p.add_argument("--tcp-streams", type=int, default=0)
+    p.add_argument("--sync-ms", type=int, default=5000)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--big-mib", type=int, default=0)
+    args = p.parse_args()
+    asyncio.run(amain(args))
+
+
+if __name__ == "__main__":
+    main()

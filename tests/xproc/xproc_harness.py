@@ -1,0 +1,452 @@
+"""Test-side helpers: bounded subprocess peers, in-process instances, a raw control client.
+
+Every wait is bounded. A :class:`Harness` (``async with``) owns the processes and
+instances of one test and ends them all on exit (quit, then SIGKILL); the pids
+are also recorded in :data:`LIVE_PIDS`, which ``conftest.py`` reaps after every
+test whatever happened, so no run leaves an orphan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xproc_common as xc
+
+from aiodatadist import BlocksCacheKey, LLMDataDist, LLMRole, _wire
+from aiodatadist.testing import cluster_info
+
+HERE = Path(__file__).resolve().parent
+PEER_MAIN = HERE / "peer_main.py"
+START_TIMEOUT = 30.0
+REPLY_TIMEOUT = 20.0
+STOP_TIMEOUT = 5.0
+
+LIVE_PIDS: set[int] = set()
+"""Pids of peer processes not yet reaped (the conftest finalizer kills what is left)."""
+
+
+def remove_segments(pid: int) -> None:
+    """Unlinks the shared-memory segments a (killed) peer process could not unlink itself."""
+    for f in Path("/dev/shm").glob(f"aiodd-{pid}-*"):
+        with contextlib.suppress(OSError):
+            f.unlink()
+
+
+class PeerProc:
+    """One ``peer_main.py`` process and its JSON-lines conversation."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, log: Any, name: str) -> None:
+        self.proc = proc
+        self.log = log
+        self.name = name
+        self.ready: dict[str, Any] = {}
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def port(self) -> int:
+        return int(self.ready["port"])
+
+    @property
+    def host(self) -> str:
+        return str(self.ready["host"])
+
+    def cache_id(self, name: str) -> int:
+        return int(self.ready["caches"][name]["cache_id"])
+
+    def addrs(self, name: str) -> list[int]:
+        return [int(a) for a in self.ready["caches"][name]["addrs"]]
+
+    def stderr_tail(self, n: int = 3000) -> str:
+        with contextlib.suppress(OSError):
+            self.log.flush()
+            self.log.seek(0)
+            return str(self.log.read()[-n:])
+        return ""
+
+    @classmethod
+    async def start(
+        cls,
+        *,
+        cluster_id: int,
+        role: str = "prompt",
+        listen: str | None = "127.0.0.1:0",
+        data_path: str = "auto",
+        secret: str | None = None,
+        tcp_streams: int = 0,
+        seed: int = 1,
+        big_mib: int = 0,
+        sync_ms: int = 5000,
+        env: dict[str, str] | None = None,
+        netns: str | None = None,
+    ) -> PeerProc:
+        argv = [
+            sys.executable,
+            str(PEER_MAIN),
+            "--role",
+            role,
+            "--cluster-id",
+            str(cluster_id),
+            "--data-path",
+            data_path,
+            "--seed",
+            str(seed),
+            "--sync-ms",
+            str(sync_ms),
+        ]
+        if listen:
+            argv += ["--listen", listen]
+        if secret is not None:
+            argv += ["--secret", secret]
+        if tcp_streams:
+            argv += ["--tcp-streams", str(tcp_streams)]
+        if big_mib:
+            argv += ["--big-mib", str(big_mib)]
+        if netns is not None:
+            argv = ["ip", "netns", "exec", netns, *argv]
+        full_env = {k: v for k, v in os.environ.items() if k != "AIODATADIST_SECRET"}
+        full_env.update(env or {})
+        log = tempfile.TemporaryFile("w+")
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=log,
+            env=full_env,
+            start_new_session=True,
+        )
+        LIVE_PIDS.add(proc.pid)
+        peer = cls(proc, log, f"{role}:{cluster_id}")
+        try:
+            peer.ready = await peer._read(START_TIMEOUT)
+        except BaseException:
+            await peer.stop()
+            raise
+        assert peer.ready.get("event") == "ready", peer.ready
+        return peer
+
+    async def _read(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        except TimeoutError:
+            raise AssertionError(
+                f"{self.name}: no reply within {timeout} s; stderr:\n{self.stderr_tail()}"
+            ) from None
+        if not line:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.proc.wait(), 2)
+            raise AssertionError(
+                f"{self.name} exited (rc={self.proc.returncode}); stderr:\n{self.stderr_tail()}"
+            )
+        return dict(json.loads(line))
+
+    async def send(self, cmd: str, **kw: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"cmd": cmd, **kw}) + "\n").encode())
+        await asyncio.wait_for(self.proc.stdin.drain(), REPLY_TIMEOUT)
+
+    async def reply(self, timeout: float = REPLY_TIMEOUT) -> dict[str, Any]:
+        return await self._read(timeout)
+
+    async def call(self, cmd: str, *, timeout: float = REPLY_TIMEOUT, **kw: Any) -> dict[str, Any]:
+        """Sends one command and returns its reply (commands are answered in order)."""
+        await self.send(cmd, **kw)
+        return await self.reply(timeout)
+
+    async def ok(self, cmd: str, **kw: Any) -> dict[str, Any]:
+        r = await self.call(cmd, **kw)
+        assert r.get("ok"), f"{self.name} {cmd}: {r}"
+        return r
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, sig)
+
+    async def wait_dead(self, timeout: float = STOP_TIMEOUT) -> int:
+        rc = await asyncio.wait_for(self.proc.wait(), timeout)
+        LIVE_PIDS.discard(self.proc.pid)
+        remove_segments(self.proc.pid)
+        return rc
+
+    async def stop(self) -> None:
+        """Asks the process to quit (closing stdin), then kills it; always reaps it."""
+        try:
+            if self.proc.returncode is None and self.proc.stdin is not None:
+                with contextlib.suppress(Exception):
+                    self.proc.stdin.close()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.proc.wait(), STOP_TIMEOUT)
+            if self.proc.returncode is None:
+                self.kill(signal.SIGKILL)
+            await asyncio.wait_for(self.proc.wait(), STOP_TIMEOUT)
+        finally:
+            if self.proc.returncode is not None:
+                LIVE_PIDS.discard(self.proc.pid)
+                remove_segments(self.proc.pid)
+            with contextlib.suppress(Exception):
+                self.log.close()
+
+
+def decoder_options(data_path: str = "auto", **extra: str) -> dict[str, str]:
+    return {"aiodatadist.DataPath": data_path, "llm.SyncKvCacheWaitTime": "5000", **extra}
+
+
+class Harness:
+    """The processes and in-process instances of one test; all ended on exit."""
+
+    def __init__(self) -> None:
+        self.procs: list[PeerProc] = []
+        self.dds: list[LLMDataDist] = []
+
+    async def __aenter__(self) -> Harness:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for dd in reversed(self.dds):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(dd.finalize(), 15)
+        for p in self.procs:
+            with contextlib.suppress(Exception):
+                await p.stop()
+
+    async def peer(self, **kw: Any) -> PeerProc:
+        p = await PeerProc.start(**kw)
+        self.procs.append(p)
+        return p
+
+    async def local(
+        self,
+        cluster_id: int,
+        options: dict[str, str] | None = None,
+        *,
+        role: LLMRole = LLMRole.DECODER,
+        seed: int | None = None,
+        big_mib: int = 0,
+    ) -> tuple[LLMDataDist, dict[str, xc.Local]]:
+        """An initialized instance in this process with the standard caches."""
+        dd = LLMDataDist(role, cluster_id)
+        await dd.init(options if options is not None else decoder_options())
+        self.dds.append(dd)
+        return dd, xc.make_caches(dd, seed, cluster_id, big_mib)
+
+
+async def link(dd: LLMDataDist, peer: PeerProc, cluster_id: int, timeout: int = 5000) -> None:
+    status, statuses = await dd.link_clusters(
+        [cluster_info(cluster_id, peer.host, peer.port)], timeout
+    )
+    assert status == 0 and list(statuses) == [0], (status, statuses, peer.stderr_tail())
+
+
+def path_of(dd: LLMDataDist, cluster_id: int, model_id: int) -> str:
+    """The data path the link to ``cluster_id`` uses for that peer's blocks cache ``model_id``."""
+    lk = dd._registry.find(cluster_id)
+    assert lk is not None, f"no link to {cluster_id}"
+    remote = lk.channel.remote_table.blocks(model_id)
+    assert remote is not None, f"cluster {cluster_id} has no blocks cache {model_id}"
+    return str(lk.channel.path_for("test", remote).name)
+
+
+async def pull_and_check(
+    dd: LLMDataDist,
+    local: xc.Local,
+    prompt_id: int,
+    prompt_seed: int,
+    src_name: str,
+    src_blocks: list[int],
+    dst_blocks: list[int],
+    *,
+    src_layers: tuple[int, int] | None = None,
+    dst_layers: tuple[int, int] | None = None,
+    tpl: int = 2,
+    timeout: float = 5.0,
+) -> None:
+    """``pull_blocks`` from the prompt's ``src_name`` into ``local`` and compares every byte
+    of ``local`` with the numpy reference."""
+    before = local.matrix()
+    spec = xc.SPECS[src_name]
+    assert spec.model_id is not None
+    await dd.cache_manager.pull_blocks(
+        BlocksCacheKey(prompt_id, spec.model_id),
+        local.cache,
+        src_blocks,
+        dst_blocks,
+        src_layer_range=xc.layer_range(src_layers),
+        dst_layer_range=xc.layer_range(dst_layers),
+        tensor_num_per_layer=tpl,
+        timeout=timeout,
+    )
+    span = xc.tensor_span(spec.num_tensors, src_layers, dst_layers, tpl)
+    want = xc.expect_blocks(
+        before, xc.reference(prompt_seed, src_name), spec.unit, src_blocks, dst_blocks, span
+    )
+    got = local.matrix()
+    assert_same(got, want)
+
+
+def assert_same(got: np.ndarray, want: np.ndarray) -> None:
+    if not np.array_equal(got, want):
+        idx = np.argwhere(got != want)
+        raise AssertionError(f"{len(idx)} bytes differ, first at {idx[:5].tolist()}")
+    assert xc.digests(got) == xc.digests(want)
+
+
+async def until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    """Waits (bounded) until ``pred()`` holds, yielding to the loop between checks."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        await asyncio.sleep(0.005)
+
+
+# ------------------------------------------------------------------ raw control client
+
+
+class RawClient:
+    """A hand-driven control connection: the handshake and requests, frame by frame."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.welcome: dict[str, Any] | None = None
+        self.streams: list[socket.socket] = []
+
+    async def __aenter__(self) -> RawClient:
+        self.reader, self.writer = await asyncio.wait_for(
+            asyncio.open_connection(self.host, self.port), REPLY_TIMEOUT
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for s in self.streams:
+            s.close()
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.writer.wait_closed(), 2)
+
+    async def write(self, t: _wire.MsgType, body: dict[str, Any], binary: bytes = b"") -> None:
+        assert self.writer is not None
+        await asyncio.wait_for(_wire.write_message(self.writer, t, body, binary), REPLY_TIMEOUT)
+
+    async def read(self, timeout: float = REPLY_TIMEOUT) -> _wire.Message:
+        assert self.reader is not None
+        return await _wire.read_message(self.reader, timeout=timeout)
+
+    async def hello(self, cluster_id: int, *, want_auth: bool = False) -> tuple[str, _wire.Message]:
+        nonce = _wire.new_nonce()
+        await self.write(
+            _wire.MsgType.HELLO,
+            {
+                "version": _wire.PROTOCOL_VERSION,
+                "cluster_id": cluster_id,
+                "host_id": "raw-test-client",
+                "pid": os.getpid(),
+                "role": int(LLMRole.DECODER),
+                "nonce": nonce,
+                "want_auth": want_auth,
+            },
+        )
+        return nonce, await self.read()
+
+    async def handshake(self, cluster_id: int) -> dict[str, Any]:
+        """HELLO, AUTH without a secret, WELCOME, our (empty) TABLE: returns WELCOME."""
+        _, challenge = await self.hello(cluster_id)
+        assert challenge.type == _wire.MsgType.CHALLENGE, challenge
+        await self.write(_wire.MsgType.AUTH, {"mac": ""})
+        welcome = await self.read()
+        assert welcome.type == _wire.MsgType.WELCOME, welcome
+        await self.write(_wire.MsgType.TABLE, {"version": 0, "table": []})
+        self.welcome = welcome.body
+        return welcome.body
+
+    async def open_stream(self, index: int) -> socket.socket:
+        """A data stream (DATA_HELLO + ACK) as a blocking socket with a timeout."""
+        assert self.welcome is not None
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.streams.append(sock)
+        sock.setblocking(False)
+        await asyncio.wait_for(loop.sock_connect(sock, (self.host, self.port)), REPLY_TIMEOUT)
+        frame = _wire.encode(
+            _wire.MsgType.DATA_HELLO,
+            {"link_token": self.welcome["link_token"], "stream": index},
+        )
+        await loop.sock_sendall(sock, frame)
+        ack = await asyncio.wait_for(loop.sock_recv(sock, 1), REPLY_TIMEOUT)
+        assert ack == b"\x01", ack
+        return sock
+
+    async def pull(
+        self,
+        req: int,
+        cache_id: int,
+        segments: list[tuple[int, int, int, int, int]],
+        *,
+        dst_geometry: tuple[int, int, int] = (4, 8, 4096),
+        deadline_ms: int = 2000,
+        streams: int = 1,
+    ) -> None:
+        await self.write(
+            _wire.MsgType.PULL,
+            {
+                "req": req,
+                "cache_id": cache_id,
+                "dst_geometry": list(dst_geometry),
+                "deadline_ms": deadline_ms,
+                "streams": streams,
+            },
+            _wire.segments_to_bytes(np.array(segments, dtype=np.uint64).reshape(-1, 5)),
+        )
+
+    async def done(self, timeout: float = REPLY_TIMEOUT) -> dict[str, Any]:
+        """The next DONE (skipping TABLE/PING traffic; PINGs are answered)."""
+        end = time.monotonic() + timeout
+        while True:
+            msg = await self.read(max(0.05, end - time.monotonic()))
+            if msg.type == _wire.MsgType.DONE:
+                return msg.body
+            if msg.type == _wire.MsgType.PING:
+                await self.write(_wire.MsgType.PONG, {"t": msg.body["t"]})
+                continue
+            assert msg.type == _wire.MsgType.TABLE, msg
+
+
+async def recv_exact(sock: socket.socket, n: int, timeout: float = REPLY_TIMEOUT) -> bytes:
+    loop = asyncio.get_running_loop()
+    buf = bytearray()
+    async with asyncio.timeout(timeout):
+        while len(buf) < n:
+            chunk = await loop.sock_recv(sock, n - len(buf))
+            if not chunk:
+                raise AssertionError(f"stream closed after {len(buf)} of {n} bytes")
+            buf += chunk
+    return bytes(buf)
+
+
+async def nothing_arrives(sock: socket.socket, wait: float = 0.2) -> int:
+    """Bytes that arrived on ``sock`` within ``wait`` seconds (0 expected)."""
+    await asyncio.sleep(wait)
+    try:
+        data = sock.recv(1 << 20, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return 0
+    return len(data) if data else 0
