@@ -151,11 +151,18 @@ class Peer:
         self.closed = asyncio.Event()
         self.on_close: Callable[[Peer], Awaitable[None]] | None = None
         self._table_dirty = False
+        # The version of our table the peer was last sent (in the handshake or a TABLE).
+        self.table_version_sent: int | None = None
 
     # ------------------------------------------------------------ plumbing
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
+        if self.table_version_sent not in (None, self.dd.cache_manager.table.version):
+            # A registration made during the handshake reached no link (this one was not
+            # adopted yet): send the table before anything the read loop answers, so a
+            # peer's refresh (PING) sees it.
+            self._send_table_soon()
         self._tasks.append(loop.create_task(self._read_loop(), name="aiodatadist-peer-read"))
         self._tasks.append(loop.create_task(self._serve_loop(), name="aiodatadist-peer-serve"))
 
@@ -172,7 +179,7 @@ class Peer:
         async with self._send_lock:
             try:
                 await _wire.write_message(self.writer, msg_type, body, binary)
-            except (OSError, ConnectionError) as e:
+            except (OSError, ConnectionError, _wire.ConnectionClosed) as e:
                 await self.close(f"write failed: {e}")
                 raise _link_error(
                     "send", f"the link to cluster {self.info.cluster_id} broke: {e}"
@@ -193,6 +200,9 @@ class Peer:
 
     async def _send_table(self) -> None:
         own = self.dd.cache_manager.table
+        if own.version == self.table_version_sent:
+            return  # the peer has this version already
+        self.table_version_sent = own.version
         with contextlib.suppress(LLMException):
             await self.send(_wire.MsgType.TABLE, {"version": own.version, "table": own.describe()})
 
@@ -225,6 +235,9 @@ class Peer:
                 elif t == _wire.MsgType.TABLE:
                     self._apply_table(msg.body["table"])
                 elif t == _wire.MsgType.PING:
+                    # A table update still queued goes first: the peer's refresh (a PING
+                    # round trip) then sees every registration made before its PING arrived.
+                    await self._send_table()
                     await self.send(_wire.MsgType.PONG, {"t": msg.body["t"]})
                 elif t == _wire.MsgType.PONG:
                     pong = self._pongs.get(int(msg.body["t"]))
@@ -405,6 +418,9 @@ class Peer:
             await self.send(msg_type, {"req": req, **body}, binary)
         except BaseException:
             self._pending.pop(req, None)
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # a failed send closed the link and failed it: retrieved
+            fut.cancel()
             raise
         return req, fut
 
@@ -540,6 +556,7 @@ async def connect(
                 endpoint=(host, port),
             )
             own = dd.cache_manager.table
+            peer.table_version_sent = own.version
             await _wire.write_message(
                 writer, _wire.MsgType.TABLE, {"version": own.version, "table": own.describe()}
             )
@@ -662,6 +679,7 @@ class ControlServer:
             return
         token = secrets.token_hex(16)
         own = dd.cache_manager.table
+        welcomed_version = own.version
         mac = (
             _wire.server_mac(secret, hello["nonce"], nonce_s, client_id, dd.cluster_id)
             if secret is not None
@@ -696,6 +714,7 @@ class ControlServer:
         peer = Peer(
             dd, reader, writer, info, is_client=False, link_token=token, table=table, endpoint=None
         )
+        peer.table_version_sent = welcomed_version
         self.peers[token] = peer
         await dd._adopt_peer(peer)
 

@@ -1,0 +1,138 @@
+"""A prompt process for cross-process pairs: ``python -m aiodatadist._peer_proc ...``.
+
+Started by :class:`aiodatadist.testing.PeerProcess` (the demo, the bench, the pytest
+fixtures). It initializes a PROMPT ``LLMDataDist`` listening on loopback, allocates
+(or registers) one blocks cache described by a :class:`~aiodatadist.testing.PromptSpec`,
+fills it with the seeded pattern, optionally flips one byte, and then serves links
+until its stdin reaches EOF, it reads a ``quit`` line, or it gets SIGTERM.
+
+It speaks JSON lines on stdout::
+
+    {"event": "progress", "stage": "fill", "done": 3, "total": 64}
+    {"event": "ready", "host": "127.0.0.1", "port": 40123, "pid": 1234, "cluster_id": 1}
+    {"event": "error", "error": "..."}
+    {"event": "bye"}
+
+Its stdin is the lifeline: when the parent dies, the pipe closes and this exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+
+def _emit(**event: Any) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def _watch_stdin(loop: asyncio.AbstractEventLoop, done: asyncio.Event) -> None:
+    """Sets ``done`` (from a daemon thread) at EOF or on a ``quit`` line."""
+
+    def run() -> None:
+        try:
+            for line in sys.stdin.buffer:
+                if line.strip() == b"quit":
+                    break
+        except (OSError, ValueError):
+            pass
+        with contextlib.suppress(RuntimeError):  # the loop is already closed
+            loop.call_soon_threadsafe(done.set)
+
+    threading.Thread(target=run, name="aiodatadist-peer-stdin", daemon=True).start()
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from .datadist import LLMDataDist
+    from .errors import LLMException
+    from .testing import PromptSpec, fill_pattern, make_blocks_cache
+    from .types import LLMRole
+
+    spec = PromptSpec.from_json(args.spec)
+    options = {"llm.listenIpInfo": args.listen}
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--option wants KEY=VALUE, got {item!r}")
+        options[key] = value
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+    _watch_stdin(loop, stop)
+
+    dd = LLMDataDist(LLMRole.PROMPT, args.cluster_id)
+    await dd.init(options)
+    try:
+        kw: dict[str, Any] = {
+            "num_tensors": spec.num_tensors,
+            "num_blocks": spec.num_blocks,
+            "block_shape": spec.block_shape,
+            "data_type": spec.data_type,
+            "model_id": spec.model_id,
+        }
+        in_shm = spec.allocate
+        try:
+            filled = make_blocks_cache(dd, allocate=spec.allocate, **kw)
+        except LLMException as e:
+            if not spec.allocate:
+                raise
+            # No usable shared memory here: serve registered memory (cma and tcp still apply).
+            print(f"aiodatadist._peer_proc: allocate failed ({e}); registering", file=sys.stderr)
+            filled = make_blocks_cache(dd, allocate=False, **kw)
+            in_shm = False
+        every = max(1, spec.num_tensors // 50)
+
+        def progress(done: int, total: int) -> None:
+            if done % every == 0 or done == total:
+                _emit(event="progress", stage="fill", done=done, total=total)
+
+        fill_pattern(filled.tensors, spec.seed, progress)
+        if spec.corrupt is not None:
+            t, b, off = spec.corrupt
+            raw = filled.tensors[t].view("uint8").reshape(spec.num_blocks, -1)
+            raw[b, off] ^= 0xFF
+        address = dd.listen_address
+        assert address is not None
+        _emit(
+            event="ready",
+            host=address[0],
+            port=address[1],
+            pid=os.getpid(),
+            cluster_id=dd.cluster_id,
+            cache_bytes=spec.cache_bytes,
+            shm=in_shm,
+        )
+        await stop.wait()
+        del filled
+    finally:
+        await dd.finalize()
+    _emit(event="bye")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m aiodatadist._peer_proc", description=__doc__)
+    parser.add_argument("--cluster-id", type=int, default=1)
+    parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any)")
+    parser.add_argument("--spec", required=True, help="a PromptSpec as JSON")
+    parser.add_argument("--option", action="append", default=[], help="KEY=VALUE init option")
+    args = parser.parse_args(argv)
+    try:
+        return asyncio.run(_serve(args))
+    except (Exception, KeyboardInterrupt) as e:  # report to the parent, which is waiting
+        _emit(event="error", error=f"{type(e).__name__}: {e}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
