@@ -428,7 +428,7 @@ async def _link_engines(
     if "inproc" in paths or local_src:
         pair = await stack.enter_async_context(inproc_pair(prompt_id=1, decoder_id=2))
         filled = make_blocks_cache(
-            pair.prompt, model_id=0, seed=args.seed, allocate=True, pattern=True,
+            pair.prompt, model_id=0, seed=args.seed, allocate=False, pattern=True,
             num_tensors=w.num_tensors, num_blocks=pool, block_shape=w.block_shape,
             data_type=desc.data_type,
         )  # fmt: skip

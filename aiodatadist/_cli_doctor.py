@@ -109,6 +109,20 @@ def limits() -> dict[str, str]:
         f"{soft} soft, {hard if hard != resource.RLIM_INFINITY else 'unlimited'} hard "
         f"(a link takes 1 + 2 x TcpStreams sockets)"
     )
+    thp = {}
+    for kind in ("enabled", "shmem_enabled"):
+        text = _read(f"/sys/kernel/mm/transparent_hugepage/{kind}")
+        m = re.search(r"\[(\w[\w-]*)\]", text or "")
+        thp[kind] = m.group(1) if m else "?"
+    out["transparent huge pages"] = (
+        f"anonymous: {thp['enabled']}, shmem: {thp['shmem_enabled']}"
+        + (
+            " (caches from allocate_* live in /dev/shm on 4 KiB pages: copies from them "
+            "run slower than from registered numpy memory)"
+            if thp["shmem_enabled"] in ("never", "deny") and thp["enabled"] != "never"
+            else ""
+        )
+    )
     scope = _read("/proc/sys/kernel/yama/ptrace_scope")
     out["ptrace_scope"] = "absent (no Yama LSM)" if scope is None else scope
     out["cpus"] = str(os.cpu_count())
@@ -386,10 +400,10 @@ async def run_doctor(args: argparse.Namespace) -> int:
     print("aiodatadist doctor")
     print("\nversions")
     for k, v in vers.items():
-        print(f"  {k:<18} {v}")
+        print(f"  {k:<22} {v}")
     print("\nlimits")
     for k, v in lims.items():
-        print(f"  {k:<18} {v}")
+        print(f"  {k:<22} {v}")
     print("\ndata paths")
     for name, rep in reports.items():
         state = "works" if rep.works else "NOT AVAILABLE"
