@@ -152,15 +152,22 @@ def _segments(rows: list[tuple[int, int, int, int, int]]) -> Any:
 class CacheTask:
     """The handle ``transfer_cache_async`` returns: one background layer pipeline.
 
-    Awaiting the task itself is ``await task.synchronize()``.
+    Awaiting the task itself is ``await task.synchronize()``. Like the instance's own
+    coroutines, its coroutines awaited on another thread's loop run on the loop that
+    runs the pipeline (the instance's loop).
     """
 
     def __init__(self, num_configs: int) -> None:
         self._results: list[LLMStatusCode | None] = [None] * num_configs
         self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _start(self, task: asyncio.Task[None]) -> None:
         self._task = task
+        self._loop = task.get_loop()
+
+    def _home_loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop
 
     def done(self) -> bool:
         return self._task is not None and self._task.done()
@@ -174,6 +181,7 @@ class CacheTask:
         done, _ = await asyncio.wait({self._task}, timeout=timeout)
         return bool(done)
 
+    @bridged
     async def synchronize(self, timeout_in_millis: int | None = None) -> LLMStatusCode:
         """Waits for the pipeline; the first failure, else ``LLM_SUCCESS``.
 
@@ -187,6 +195,7 @@ class CacheTask:
                 return r
         return LLMStatusCode.LLM_SUCCESS
 
+    @bridged
     async def get_results(self, timeout_in_millis: int | None = None) -> list[LLMStatusCode | None]:
         """One status per transfer config; ``None`` for a config that never started.
 
@@ -196,6 +205,7 @@ class CacheTask:
             return [LLMStatusCode.LLM_TIMEOUT] * len(self._results)
         return list(self._results)
 
+    @bridged
     async def cancel(self) -> None:
         """Stops the pipeline after the layer in flight (that layer is aborted and awaited)."""
         if self._task is not None and not self._task.done():
@@ -1161,13 +1171,16 @@ class CacheManager:
                 if layer == spans[i].stop - 1:
                     results[i] = LLMStatusCode.LLM_SUCCESS
 
-    async def _shutdown(self) -> None:
-        """Cancels running transfer_cache_async pipelines and waits for them."""
+    async def _shutdown(self, timeout: float | None = None) -> None:
+        """Cancels running transfer_cache_async pipelines and waits for them, at most
+        ``timeout`` seconds: a pipeline blocked in a plain (sync) ``synchronize_layer``
+        ends only when that call returns, and finalize must not wait on user code forever.
+        """
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
         if tasks:
-            await asyncio.wait(tasks)
+            await asyncio.wait(tasks, timeout=timeout)
 
     def _free_all(self) -> None:
         for entry in list(self._entries.values()):

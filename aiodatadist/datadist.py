@@ -217,7 +217,9 @@ class LLMDataDist:
         transfers in flight, stops the executor and frees allocated caches. Idempotent.
 
         A cache still used by a native job when the bound passes is not freed (it is
-        leaked rather than freed under the job), and a warning is logged.
+        leaked rather than freed under the job), and a warning is logged. Running
+        ``transfer_cache_async`` pipelines are cancelled; waiting for them (one blocked in
+        a plain ``synchronize_layer`` ends only when that returns) is bounded the same way.
         """
         async with self._lifecycle:
             if not self._initialized:
@@ -226,7 +228,7 @@ class LLMDataDist:
             if _instances.get(self._cluster_id) is self:
                 del _instances[self._cluster_id]
             assert self._cache_manager is not None and self._executor is not None
-            await self._cache_manager._shutdown()
+            await self._cache_manager._shutdown(self._options.finalize_timeout_ms / 1000)
             for link in list(self._registry):
                 await self._drop_link(link, notify=True)
             if self._server is not None:

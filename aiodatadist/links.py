@@ -36,15 +36,20 @@ class _FifoSlot:
 
     def __init__(self) -> None:
         self._lock = asyncio.Lock()  # asyncio.Lock hands over in FIFO order, without barging
+        # Callers queued on the lock. Right after a release the lock reads unlocked while
+        # the woken waiter has not run yet: a newcomer then queues behind it, so "unlocked"
+        # alone does not mean "free".
+        self._waiting = 0
 
     @property
     def busy(self) -> bool:
         return self._lock.locked()
 
     async def acquire(self, deadline: float | None, api: str) -> None:
-        if not self._lock.locked():
-            await self._lock.acquire()  # free: taken without a timer
+        if not self._lock.locked() and not self._waiting:
+            await self._lock.acquire()  # free and nobody queued: taken at once, no timer
             return
+        self._waiting += 1
         try:
             async with asyncio.timeout_at(deadline):
                 await self._lock.acquire()
@@ -57,6 +62,8 @@ class _FifoSlot:
                 ),
                 status_code=LLMStatusCode.LLM_TIMEOUT,
             ) from None
+        finally:
+            self._waiting -= 1
 
     def release(self) -> None:
         self._lock.release()

@@ -1,0 +1,314 @@
+"""Helpers for the engine tests: numpy references, big caches and an instrumented channel.
+
+Every comparison is on raw bytes (``uint8`` views): random bytes read as floats
+contain NaNs, which never compare equal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from aiodatadist import DataType, LLMDataDist, _native
+from aiodatadist.testing import FilledCache, make_blocks_cache
+from aiodatadist.transports.base import Call
+from aiodatadist.transports.inproc import InprocChannel
+
+MIB = 1 << 20
+
+# Big caches: 2 tensors x 64 blocks x 4 MiB = 2 x 256 MiB, so a full pull takes long
+# enough (tens of ms or more) for a 10 ms deadline or a cancel to land inside it.
+BIG_TENSORS = 2
+BIG_BLOCKS = 64
+BIG_BLOCK_BYTES = 4 * MIB
+ALL_BIG = list(range(BIG_BLOCKS))
+
+# One mover thread: big transfers stay slow enough to be interrupted.
+SLOW_OPTIONS = {"aiodatadist.MoverThreads": "1"}
+
+# Generous bound for "the call ended soon after its deadline or cancel" (not a speed claim).
+BOUND_S = 0.5
+
+
+# ------------------------------------------------------------------ bytes
+
+
+def blocks_of(tensor: np.ndarray) -> np.ndarray:
+    """A ``(num_blocks, block_bytes)`` uint8 view of one cache tensor."""
+    return tensor.view(np.uint8).reshape(tensor.shape[0], -1)
+
+
+def snapshot(fc: FilledCache) -> list[np.ndarray]:
+    """A copy of every tensor of ``fc`` as ``(num_blocks, block_bytes)`` uint8 arrays."""
+    return [blocks_of(t).copy() for t in fc.tensors]
+
+
+def reference_pull(
+    src: Sequence[np.ndarray],
+    dst: Sequence[np.ndarray],
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    src_tensor_start: int,
+    dst_tensor_start: int,
+    tensor_count: int,
+) -> list[np.ndarray]:
+    """What ``dst`` must hold after a block pull: the numpy model of the semantics.
+
+    For every selected tensor ``k`` and every ``i``, block ``src_blocks[i]`` of source
+    tensor ``src_tensor_start + k`` lands in block ``dst_blocks[i]`` of destination
+    tensor ``dst_tensor_start + k``; every other byte of ``dst`` is unchanged.
+    """
+    out = [d.copy() for d in dst]
+    for k in range(tensor_count):
+        out[dst_tensor_start + k][list(dst_blocks)] = src[src_tensor_start + k][list(src_blocks)]
+    return out
+
+
+def assert_bytes(fc: FilledCache, expected: Sequence[np.ndarray]) -> None:
+    """Every tensor of ``fc`` equals ``expected`` byte for byte (names the first bad block)."""
+    assert len(fc.tensors) == len(expected)
+    for t, (tensor, want) in enumerate(zip(fc.tensors, expected, strict=True)):
+        got = blocks_of(tensor)
+        if not np.array_equal(got, want):
+            bad = [b for b in range(got.shape[0]) if not np.array_equal(got[b], want[b])]
+            raise AssertionError(f"tensor {t}: blocks {bad[:10]} differ from the reference")
+
+
+# ------------------------------------------------------------- big caches
+
+
+def big_value(tensor: int, block: int) -> int:
+    """The byte every position of block ``block`` of tensor ``tensor`` holds in a big source."""
+    return (block * 7 + tensor * 101 + 1) % 251
+
+
+def big_cache(dd: LLMDataDist, *, model_id: int | None = None, fill: bool = False) -> FilledCache:
+    """A 2 x 256 MiB blocks cache allocated in shared memory; ``fill`` writes big_value()."""
+    fc = make_blocks_cache(
+        dd,
+        num_tensors=BIG_TENSORS,
+        num_blocks=BIG_BLOCKS,
+        block_shape=(BIG_BLOCK_BYTES,),
+        data_type=DataType.DT_UINT8,
+        model_id=model_id,
+        allocate=True,
+    )
+    if fill:
+        for t, arr in enumerate(fc.tensors):
+            values = np.array([big_value(t, b) for b in range(BIG_BLOCKS)], dtype=np.uint8)
+            arr[...] = values[:, None]
+    return fc
+
+
+def assert_big_pulled(
+    dst: FilledCache, src_blocks: Sequence[int], dst_blocks: Sequence[int]
+) -> None:
+    """Block ``dst_blocks[i]`` of every tensor holds exactly source block ``src_blocks[i]``."""
+    for t, arr in enumerate(dst.tensors):
+        for s, d in zip(src_blocks, dst_blocks, strict=True):
+            block = arr[d]
+            want = big_value(t, s)
+            assert block.min() == want and block.max() == want, (
+                f"tensor {t} block {d} does not hold source block {s}"
+            )
+
+
+# ------------------------------------------------------ waiting, bounded
+
+
+async def wait_until(pred: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+    """Waits (bounded) until ``pred()`` holds; a test-side poll, never engine code."""
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what or pred}")
+        await asyncio.sleep(0.001)
+
+
+def executor_of(dd: LLMDataDist) -> Any:
+    """The instance's dedicated transfer executor."""
+    ex = dd._executor
+    assert ex is not None
+    return ex
+
+
+def link_of(dd: LLMDataDist, remote_cluster_id: int) -> Any:
+    link = dd._registry.find(remote_cluster_id)
+    assert link is not None, f"cluster {dd.cluster_id} has no link to {remote_cluster_id}"
+    return link
+
+
+# ------------------------------------------------- the instrumented channel
+
+
+class OverlapError(AssertionError):
+    """Two transfers were inside one link's channel at the same time."""
+
+
+class Tracker:
+    """Records transfers entering and leaving link channels; fails on overlap per link.
+
+    ``key`` names a link (both ends of one in-process link share a key); transfers on
+    different keys may overlap, and ``max_total`` says how many were inside at once.
+    """
+
+    def __init__(self) -> None:
+        self.active: dict[object, int] = {}
+        self.events: list[tuple[str, object, str]] = []
+        self.overlaps: list[str] = []
+        self.total = 0
+        self.max_total = 0
+        self.threads: list[str] = []
+        self._lock = threading.Lock()
+
+    def enter(self, key: object, label: str) -> None:
+        if self.active.get(key, 0):
+            msg = f"{label} entered link {key!r} while another transfer was inside it"
+            self.overlaps.append(msg)
+            raise OverlapError(msg)
+        self.active[key] = 1
+        self.total += 1
+        self.max_total = max(self.max_total, self.total)
+        self.events.append(("enter", key, label))
+
+    def exit(self, key: object, label: str) -> None:
+        self.active[key] -= 1
+        self.total -= 1
+        self.events.append(("exit", key, label))
+
+    def entered(self, key: object | None = None) -> list[str]:
+        """Labels in the order they entered (on ``key`` only, when given)."""
+        return [lab for ev, k, lab in self.events if ev == "enter" and (key is None or k == key)]
+
+    def record_thread(self, name: str) -> None:
+        with self._lock:
+            self.threads.append(name)
+
+
+class _TracedCall(Call):
+    """The call a traced channel hands to the real channel: wraps each native job."""
+
+    def __init__(
+        self, base: Call, channel: TracedChannel, job_gate: threading.Event | None, hold: bool
+    ) -> None:
+        super().__init__(base.api, base.deadline, base.executor, base.mover_threads)
+        self._channel = channel
+        self._job_gate = job_gate
+        self._hold = hold
+
+    async def run(self, job: Callable[[_native.Control], Any], *, local_bytes: int = -1) -> Any:
+        wrapped = self._channel._wrap_job(job, self._job_gate, self._hold)
+        return await super().run(wrapped, local_bytes=local_bytes)
+
+
+class TracedChannel(InprocChannel):
+    """An in-process channel that records transfers and delegates to the real one.
+
+    Args:
+        inner: the link's real channel (every byte still moves through it).
+        tracker: where enter/exit and worker thread names are recorded.
+        key: the link's name in ``tracker``.
+
+    Knobs a test may set at any time (each transfer takes their values when it enters):
+        gate: an ``asyncio.Event`` awaited inside the slot, before the real transfer
+            (holds the link's slot without any native job running).
+        job_gate: a ``threading.Event`` the worker thread waits on before running the
+            real native job (a native job that is "still running", deaf to aborts).
+        hold_until_abort: True, or a predicate on the transfer's label: the worker thread
+            waits until the job's abort token is set (its deadline passed or it was
+            cancelled) before running the real job, which then fails ABORTED.
+    """
+
+    def __init__(self, inner: InprocChannel, tracker: Tracker, key: object) -> None:
+        super().__init__(inner.remote_table)
+        self.inner = inner
+        self.tracker = tracker
+        self.key = key
+        self.gate: asyncio.Event | None = None
+        self.job_gate: threading.Event | None = None
+        self.hold_until_abort: bool | Callable[[str], bool] = False
+        self.inside = asyncio.Event()  # set while a transfer is inside (after enter)
+        self.jobs_started = 0
+        self.jobs_returned = 0
+
+    @property  # type: ignore[override]
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def remote_table(self) -> Any:
+        return self.inner.remote_table
+
+    async def refresh(self, deadline: float | None) -> bool:
+        return await self.inner.refresh(deadline)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    def _wrap_job(
+        self, job: Callable[[_native.Control], Any], job_gate: threading.Event | None, hold: bool
+    ) -> Callable[[_native.Control], Any]:
+        def wrapped(ctl: _native.Control) -> Any:
+            name = threading.current_thread().name
+            self.tracker.record_thread(name)
+            if (job_gate is not None or hold) and not name.startswith("aiodatadist-"):
+                raise AssertionError("a gated job ran inline on the loop thread: use a bigger plan")
+            self.jobs_started += 1
+            try:
+                if job_gate is not None:
+                    assert job_gate.wait(20), "job_gate was never opened"
+                if hold:
+                    end = time.monotonic() + 20
+                    while not ctl.aborted:
+                        assert time.monotonic() < end, "the job was never aborted"
+                        time.sleep(0.001)
+                return job(ctl)
+            finally:
+                self.jobs_returned += 1
+
+        return wrapped
+
+    async def _traced(self, kind: str, fn: Any, a: Any, b: Any, call: Call, plan: Any) -> None:
+        task = asyncio.current_task()
+        label = f"{kind}:{task.get_name() if task is not None else '?'}"
+        job_gate = self.job_gate
+        hold = self.hold_until_abort
+        held = hold(label) if callable(hold) else hold
+        self.tracker.enter(self.key, label)
+        self.inside.set()
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            await fn(plan, a, b, _TracedCall(call, self, job_gate, held))
+        finally:
+            self.inside.clear()
+            self.tracker.exit(self.key, label)
+
+    async def pull(self, plan: Any, remote: Any, local: Any, call: Call) -> None:
+        await self._traced("pull", self.inner.pull, remote, local, call, plan)
+
+    async def push(self, plan: Any, local: Any, remote: Any, call: Call) -> None:
+        await self._traced("push", self.inner.push, local, remote, call, plan)
+
+
+def instrument(
+    dd: LLMDataDist, remote_cluster_id: int, tracker: Tracker | None = None
+) -> TracedChannel:
+    """Wraps ``dd``'s channel to ``remote_cluster_id`` in a :class:`TracedChannel`.
+
+    The tracker key is the link's FIFO slot, so both ends of one in-process link
+    (the decoder's pulls and the prompt's pushes) count as one link.
+    """
+    link = link_of(dd, remote_cluster_id)
+    inner = link.channel
+    if isinstance(inner, TracedChannel):
+        return inner
+    assert isinstance(inner, InprocChannel), inner
+    ch = TracedChannel(inner, tracker if tracker is not None else Tracker(), id(link.slot))
+    link.channel = ch
+    return ch
