@@ -624,6 +624,29 @@ class CacheManager:
             f"a CacheKey must set exactly one of req_id and prefix_id, got {key!r}",
         )
 
+    def _pull_prologue(
+        self,
+        api: str,
+        key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
+        tensor_num_per_layer: object,
+        src_layer_range: object,
+        dst_layer_range: object,
+        timeout: object,
+    ) -> tuple[int, range | None, range | None, float, Link]:
+        """The checks and lookups every pull shares, in upstream's order; then the
+        call's one deadline and its link (LLM_NOT_YET_LINK when there is none)."""
+        t = _check_tensor_num(tensor_num_per_layer)
+        src_lr = check_layer_range("src_layer_range", src_layer_range, allow_none=True)
+        dst_lr = check_layer_range("dst_layer_range", dst_layer_range, allow_none=True)
+        tmo = _check_timeout(timeout)
+        self._require_role(api, LLMRole.DECODER, LLMRole.MIX)
+        if key.cluster_id == self._dd.cluster_id:
+            raise _param(
+                api, f"cannot pull from this instance's own cluster_id {self._dd.cluster_id}"
+            )
+        deadline = self._deadline(tmo)
+        return t, src_lr, dst_lr, deadline, self._dd._registry.get(key.cluster_id, api)
+
     async def _transfer(
         self,
         api: str,
@@ -728,17 +751,9 @@ class CacheManager:
             )
             if isinstance(prompt_cache_key, CacheKey):
                 self._check_cache_key(prompt_cache_key)
-        t = _check_tensor_num(tensor_num_per_layer)
-        src_lr = check_layer_range("src_layer_range", src_layer_range, allow_none=True)
-        dst_lr = check_layer_range("dst_layer_range", dst_layer_range, allow_none=True)
-        tmo = _check_timeout(timeout)
-        self._require_role(api, LLMRole.DECODER, LLMRole.MIX)
-        if prompt_cache_key.cluster_id == self._dd.cluster_id:
-            raise _param(
-                api, f"cannot pull from this instance's own cluster_id {self._dd.cluster_id}"
-            )
-        deadline = self._deadline(tmo)
-        link = self._dd._registry.get(prompt_cache_key.cluster_id, api)
+        t, src_lr, dst_lr, deadline, link = self._pull_prologue(
+            api, prompt_cache_key, tensor_num_per_layer, src_layer_range, dst_layer_range, timeout
+        )
 
         def build() -> tuple[CacheEntry, _native.Plan]:
             remote, row = self._remote_source(api, link, prompt_cache_key)
@@ -820,17 +835,9 @@ class CacheManager:
             nbytes <= local.block_bytes,
             f"size {nbytes} exceeds the local row stride of {local.block_bytes} bytes",
         )
-        t = _check_tensor_num(tensor_num_per_layer)
-        src_lr = check_layer_range("src_layer_range", src_layer_range, allow_none=True)
-        dst_lr = check_layer_range("dst_layer_range", dst_layer_range, allow_none=True)
-        tmo = _check_timeout(timeout)
-        self._require_role(api, LLMRole.DECODER, LLMRole.MIX)
-        if cache_key.cluster_id == self._dd.cluster_id:
-            raise _param(
-                api, f"cannot pull from this instance's own cluster_id {self._dd.cluster_id}"
-            )
-        deadline = self._deadline(tmo)
-        link = self._dd._registry.get(cache_key.cluster_id, api)
+        t, src_lr, dst_lr, deadline, link = self._pull_prologue(
+            api, cache_key, tensor_num_per_layer, src_layer_range, dst_layer_range, timeout
+        )
 
         def build() -> tuple[CacheEntry, _native.Plan]:
             remote, row = self._remote_source(api, link, cache_key)
