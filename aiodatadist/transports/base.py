@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .._caches import CacheEntry, CacheTable
     from .._executor import TransferExecutor
 
-__all__ = ["Call", "Channel"]
+__all__ = ["Call", "Channel", "local_copy"]
 
 
 @dataclass
@@ -79,3 +79,10 @@ class Channel(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Releases what the channel holds (connections, mappings)."""
+
+
+def local_copy(
+    plan: _native.Plan, src: list[int], dst: list[int], threads: int, control: _native.Control
+) -> None:
+    """The job of the one-address-space paths (``inproc``, ``shm``): native memcpy."""
+    _native.copy_local(plan, src, dst, control, threads)

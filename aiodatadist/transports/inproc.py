@@ -6,7 +6,7 @@ import functools
 from typing import TYPE_CHECKING
 
 from .. import _native
-from .base import Call, Channel
+from .base import Call, Channel, local_copy
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry, CacheTable
@@ -30,7 +30,7 @@ class InprocChannel(Channel):
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
     ) -> None:
         await call.run(
-            functools.partial(_copy, plan, remote.addrs, local.addrs, call.mover_threads),
+            functools.partial(local_copy, plan, remote.addrs, local.addrs, call.mover_threads),
             local_bytes=plan.total_bytes,
         )
 
@@ -38,12 +38,6 @@ class InprocChannel(Channel):
         self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call
     ) -> None:
         await call.run(
-            functools.partial(_copy, plan, local.addrs, remote.addrs, call.mover_threads),
+            functools.partial(local_copy, plan, local.addrs, remote.addrs, call.mover_threads),
             local_bytes=plan.total_bytes,
         )
-
-
-def _copy(
-    plan: _native.Plan, src: list[int], dst: list[int], threads: int, control: _native.Control
-) -> None:
-    _native.copy_local(plan, src, dst, control, threads)

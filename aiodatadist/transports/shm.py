@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from .. import _native
 from ..errors import LLMException, LLMStatusCode, format_error, from_native
-from .base import Call
+from .base import Call, local_copy
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry
@@ -58,7 +58,7 @@ class ShmPath:
     ) -> None:
         src = self._addrs(call.api, remote, writable=False)
         await call.run(
-            functools.partial(_copy, plan, src, local.addrs, call.mover_threads),
+            functools.partial(local_copy, plan, src, local.addrs, call.mover_threads),
             local_bytes=plan.total_bytes,
         )
 
@@ -67,7 +67,7 @@ class ShmPath:
     ) -> None:
         dst = self._addrs(call.api, remote, writable=True)
         await call.run(
-            functools.partial(_copy, plan, local.addrs, dst, call.mover_threads),
+            functools.partial(local_copy, plan, local.addrs, dst, call.mover_threads),
             local_bytes=plan.total_bytes,
         )
 
@@ -84,9 +84,3 @@ class ShmPath:
             with contextlib.suppress(Exception):
                 seg.close()
         self._maps.clear()
-
-
-def _copy(
-    plan: _native.Plan, src: list[int], dst: list[int], threads: int, control: _native.Control
-) -> None:
-    _native.copy_local(plan, src, dst, control, threads)
