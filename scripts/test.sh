@@ -2,7 +2,7 @@
 # Quick start, command 2: set up and run the whole test suite, plus ruff and mypy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh test
+scripts/setup.sh test,docs
 echo "== ruff"
 .venv/bin/ruff check aiodatadist tests bench examples
 echo "== mypy (strict on the package)"
