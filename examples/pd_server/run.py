@@ -92,7 +92,7 @@ async def main() -> int:
             await expect(200, {"prompt_id": 2, "n_blocks": 16})
             # Concurrent requests: their pulls queue on the one link, in order.
             await asyncio.gather(*(expect(200, {"prompt_id": p, "n_blocks": 8}) for p in (3, 4, 5)))
-            await expect(504, {"prompt_id": 6, "n_blocks": 32, "timeout": 1e-6})
+            await expect(504, {"prompt_id": 6, "n_blocks": 64, "timeout": 1e-6})
             await expect(400, {"prompt_id": 7, "n_blocks": 2, "timeout": -1})
             await expect(200, {"prompt_id": 8, "n_blocks": 32})  # the link survived the timeout
         print(f"done: {'all requests as expected' if not failures else f'{failures} unexpected'}")

@@ -74,7 +74,7 @@ def test_pd_server_run() -> None:
         "decode server (DECODER, cluster 2): http://127.0.0.1:",
         'POST /generate {"prompt_id": 1, "n_blocks": 4} -> 200 pulled 4 blocks',
         'POST /generate {"prompt_id": 2, "n_blocks": 16} -> 200 pulled 16 blocks',
-        'POST /generate {"prompt_id": 6, "n_blocks": 32, "timeout": 1e-06} -> 504 LLM_TIMEOUT',
+        'POST /generate {"prompt_id": 6, "n_blocks": 64, "timeout": 1e-06} -> 504 LLM_TIMEOUT',
         'POST /generate {"prompt_id": 7, "n_blocks": 2, "timeout": -1} -> 400 LLM_PARAM_INVALID',
         'POST /generate {"prompt_id": 8, "n_blocks": 32} -> 200 pulled 32 blocks',
         "done: all requests as expected",
