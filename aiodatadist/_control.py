@@ -151,6 +151,7 @@ class Peer:
         self.closed = asyncio.Event()
         self.on_close: Callable[[Peer], Awaitable[None]] | None = None
         self._table_dirty = False
+        self._loop = asyncio.get_running_loop()
         # The version of our table the peer was last sent (in the handshake or a TABLE).
         self.table_version_sent: int | None = None
 
@@ -186,15 +187,24 @@ class Peer:
                 ) from e
 
     def table_changed(self) -> None:
-        """Coalesces table updates: one TABLE message per loop iteration."""
+        """Coalesces table updates: one TABLE message per loop iteration.
+
+        Registration is synchronous and may run outside the loop (a sync fixture, another
+        thread): the update is handed to the link's own loop either way.
+        """
         if self._table_dirty or self.closed.is_set():
             return
         self._table_dirty = True
-        asyncio.get_running_loop().call_soon(self._send_table_soon)
+        try:
+            self._loop.call_soon_threadsafe(self._send_table_soon)
+        except RuntimeError:  # the loop is closed: the link is gone with it
+            self._table_dirty = False
 
     def _send_table_soon(self) -> None:
         self._table_dirty = False
-        task = asyncio.get_running_loop().create_task(self._send_table())
+        if self.closed.is_set():
+            return
+        task = self._loop.create_task(self._send_table())
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 

@@ -9,6 +9,10 @@ registered ones.
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from typing import Any
+
 import pytest
 import xproc_common as xc
 from xproc_harness import (
@@ -242,6 +246,30 @@ async def test_registration_after_link(allocate: bool) -> None:
             xc.pattern(None, spec), xc.reference(SEED, "alloc"), spec.unit, [2], [4], (0, 0, 4)
         )
         assert_same(late.matrix(), want)
+
+
+@pytest.mark.asyncio
+async def test_registration_from_another_thread_reaches_the_peer() -> None:
+    """Registration is synchronous and may run off the loop (a sync fixture, a worker
+    thread); the table update still reaches the linked peer, which then pushes into it."""
+    async with Harness() as h:
+        dd, _local, prompt, _cma_ok = await linked(h, "tcp")
+        spec = xc.Spec("late", True, False, (xc.NUM_BLOCKS, *xc.BLOCK_SHAPE), model_id=5)
+        made: list[Any] = []
+        worker = threading.Thread(
+            target=lambda: made.append(xc.make_cache(dd, spec, None, DECODER))
+        )
+        worker.start()
+        await asyncio.to_thread(worker.join, 10)
+        assert made, "registration on a worker thread failed"
+        r = await prompt.ok(
+            "push", dst_cluster=DECODER, src="alloc", model_id=5, src_blocks=[2], dst_blocks=[4]
+        )
+        assert r["status"] == 0 and r["results"] == [0], r
+        want = xc.expect_blocks(
+            xc.pattern(None, spec), xc.reference(SEED, "alloc"), spec.unit, [2], [4], (0, 0, 4)
+        )
+        assert_same(made[0].matrix(), want)
 
 
 def _mapped(name: str) -> bool:
