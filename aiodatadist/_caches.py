@@ -39,6 +39,7 @@ class CacheEntry:
     is_blocks: bool
     addrs: list[int]
     data_type: int = 0
+    placement: int = 0  # Placement.HOST; every cache is host-addressable memory here
     shape: tuple[int, ...] = ()
     model_id: int | None = None
     row_keys: dict[RowKey, int] = field(default_factory=dict)
@@ -65,6 +66,7 @@ class CacheEntry:
             is_blocks=cache.is_blocks_cache,
             addrs=list(addrs),
             data_type=desc.data_type.value,
+            placement=int(desc.placement),
             shape=shape,
             cache=cache,
         )
@@ -133,6 +135,7 @@ class CacheEntry:
             "is_blocks": self.is_blocks,
             "addrs": list(self.addrs),
             "data_type": self.data_type,
+            "placement": self.placement,
             "shape": list(self.shape),
             "model_id": self.model_id,
             "row_keys": [[k[0], k[1], row] for k, row in self.row_keys.items()],
@@ -151,6 +154,7 @@ class CacheEntry:
             is_blocks=bool(d["is_blocks"]),
             addrs=[int(a) for a in d["addrs"]],
             data_type=int(d["data_type"]),
+            placement=int(d["placement"]),
             shape=tuple(int(s) for s in d["shape"]),
             model_id=None if d["model_id"] is None else int(d["model_id"]),
             row_keys={(int(a), int(b)): int(r) for a, b, r in d["row_keys"]},

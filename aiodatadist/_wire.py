@@ -521,6 +521,7 @@ _DESCRIPTION: Mapping[str, Field] = {
     "is_blocks": Field(_BOOL),
     "addrs": Field(_LIST, check=_list_of(Field(_INT, check=_positive_u64), max_len=MAX_TENSORS)),
     "data_type": Field(_INT, check=_u32),
+    "placement": Field(_INT, check=_range(0, 1)),
     "shape": Field(
         _LIST, check=_list_of(Field(_INT, check=_u64), min_len=1, max_len=MAX_SHAPE_DIMS)
     ),
