@@ -2,14 +2,16 @@
 
 Started by :class:`aiodatadist.testing.PeerProcess` (the demo, the bench, the pytest
 fixtures). It initializes a PROMPT ``LLMDataDist`` listening on loopback, allocates
-(or registers) one blocks cache described by a :class:`~aiodatadist.testing.PromptSpec`,
-fills it with the seeded pattern, optionally flips one byte, and then serves links
-until its stdin reaches EOF, it reads a ``quit`` line, or it gets SIGTERM.
+(or registers, on huge-page-advised memory: ``testing.host_buffer``) one blocks
+cache described by a :class:`~aiodatadist.testing.PromptSpec`, fills it with the
+seeded pattern, optionally flips one byte, and then serves links until its stdin
+reaches EOF, it reads a ``quit`` line, or it gets SIGTERM.
 
 It speaks JSON lines on stdout::
 
     {"event": "progress", "stage": "fill", "done": 3, "total": 64}
-    {"event": "ready", "host": "127.0.0.1", "port": 40123, "pid": 1234, "cluster_id": 1}
+    {"event": "ready", "host": "127.0.0.1", "port": 40123, "pid": 1234, "cluster_id": 1,
+     "cache_bytes": 8388608, "shm": true, "memory": "posix-shm"}
     {"event": "error", "error": "..."}
     {"event": "bye"}
 
@@ -80,15 +82,18 @@ async def _serve(args: argparse.Namespace) -> int:
             "data_type": spec.data_type,
             "model_id": spec.model_id,
         }
+        # Registered memory is what a serving process would register: anonymous,
+        # 2 MiB-aligned and madvise(MADV_HUGEPAGE)'d (testing.host_buffer), so the cma
+        # path is not slowed down by 4 KiB pages.
         in_shm = spec.allocate
         try:
-            filled = make_blocks_cache(dd, allocate=spec.allocate, **kw)
+            filled = make_blocks_cache(dd, allocate=spec.allocate, huge_pages=True, **kw)
         except LLMException as e:
             if not spec.allocate:
                 raise
             # No usable shared memory here: serve registered memory (cma and tcp still apply).
             print(f"aiodatadist._peer_proc: allocate failed ({e}); registering", file=sys.stderr)
-            filled = make_blocks_cache(dd, allocate=False, **kw)
+            filled = make_blocks_cache(dd, allocate=False, huge_pages=True, **kw)
             in_shm = False
         every = max(1, spec.num_tensors // 50)
 
@@ -111,6 +116,7 @@ async def _serve(args: argparse.Namespace) -> int:
             cluster_id=dd.cluster_id,
             cache_bytes=spec.cache_bytes,
             shm=in_shm,
+            memory="posix-shm" if in_shm else "anon-madv-hugepage",
         )
         await stop.wait()
         del filled

@@ -28,6 +28,10 @@ Everything here works with or without pytest (embedded programs, examples, the
 * :func:`fill_pattern`, :func:`pattern_blocks`, :func:`pattern_mismatches`: the
   deterministic block contents both sides can compute from a seed, so a decoder can
   check every byte it pulled from a process it cannot see into.
+
+* :func:`host_buffer`: host memory as a serving process registers it (anonymous,
+  2 MiB-aligned, ``MADV_HUGEPAGE``, touched); ``make_blocks_cache(huge_pages=True)``
+  registers a cache on it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import contextlib
 import glob
 import json
 import logging
+import mmap
 import os
 import signal
 import sys
@@ -63,6 +68,7 @@ __all__ = [
     "RemotePair",
     "cluster_info",
     "fill_pattern",
+    "host_buffer",
     "inproc_pair",
     "make_blocks_cache",
     "pattern_blocks",
@@ -100,6 +106,54 @@ def cluster_info(
     return info
 
 
+HUGE_PAGE_BYTES = 2 << 20
+"""The transparent huge page size :func:`host_buffer` aligns to (x86-64, arm64 4K)."""
+
+
+def host_buffer(shape: int | Sequence[int], dtype: Any, *, huge_pages: bool = True) -> Any:
+    """A zeroed numpy array on its own anonymous mapping, every page touched.
+
+    What a serving process does with host memory it registers: the mapping is
+    aligned to 2 MiB and ``madvise(MADV_HUGEPAGE)``'d, so with transparent huge
+    pages in ``always`` or ``madvise`` mode (``/sys/kernel/mm/transparent_hugepage/
+    enabled``) the kernel backs it with 2 MiB pages when it can. Copies, and above
+    all ``process_vm_readv`` (the ``cma`` path), which pins the peer's pages one
+    page at a time, are then much faster than on 4 KiB pages. Whether the kernel
+    did is visible in ``/proc/PID/smaps`` (``AnonHugePages``); it is a hint.
+
+    Args:
+        shape: the array's shape.
+        dtype: a numpy dtype.
+        huge_pages: True: ``MADV_HUGEPAGE``; False: ``MADV_NOHUGEPAGE`` (4 KiB pages
+            for certain, e.g. for a benchmark that compares both).
+
+    The memory is unmapped when the array (and every view of it) is gone.
+    """
+    import numpy as np
+
+    dt = np.dtype(dtype)
+    dims = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+    nbytes = dt.itemsize
+    for d in dims:
+        nbytes *= d
+    if nbytes == 0:
+        return np.zeros(dims, dtype=dt)
+    # From 2 MiB on, over-map by one huge page and start the array on a 2 MiB
+    # boundary, so that every whole 2 MiB of it can be one huge page (the untouched
+    # slack costs no memory). A smaller array could only get one by wasting one.
+    slack = HUGE_PAGE_BYTES if huge_pages and nbytes >= HUGE_PAGE_BYTES else 0
+    mm = mmap.mmap(-1, nbytes + slack, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = np.frombuffer(mm, dtype=np.uint8)
+    offset = -raw.ctypes.data % HUGE_PAGE_BYTES if slack else 0
+    advice = getattr(mmap, "MADV_HUGEPAGE" if huge_pages else "MADV_NOHUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):  # THP compiled out, or a kernel without it
+            mm.madvise(advice)
+    raw = raw[offset : offset + nbytes]
+    raw.fill(0)  # touch: every page is resident before the first transfer
+    return raw.view(dt).reshape(dims)
+
+
 def make_blocks_cache(
     dd: LLMDataDist,
     *,
@@ -111,12 +165,19 @@ def make_blocks_cache(
     seed: int | None = None,
     allocate: bool = False,
     pattern: bool = False,
+    huge_pages: bool = False,
 ) -> FilledCache:
     """Registers (or allocates in shared memory) a blocks cache on ``dd``.
 
     ``seed`` fills it with reproducible random bytes (or, with ``pattern=True``, with
     :func:`fill_pattern`'s pattern, which a peer can check without seeing this cache);
     None leaves it zeroed.
+
+    ``huge_pages=True`` puts the registered tensors, one after the other, on one
+    :func:`host_buffer` (2 MiB-aligned, ``MADV_HUGEPAGE``), as a serving process
+    would; it has no effect
+    with ``allocate=True`` (POSIX shared memory gets huge pages only when
+    ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` says so).
     """
     import numpy as np
 
@@ -128,11 +189,16 @@ def make_blocks_cache(
         tensors = cache.tensors()
     else:
         dtype = data_type.to_numpy()
-        # np.empty + fill touches every page now, so the first transfer does not
-        # pay for page faults (a serving cache is resident too).
-        tensors = [np.empty(desc.shape, dtype=dtype) for _ in range(num_tensors)]
-        for t in tensors:
-            t.view(np.uint8).fill(0)
+        if huge_pages:
+            # One mapping for every tensor (as a serving process allocates its cache):
+            # huge pages then cover tensors smaller than one, too.
+            tensors = list(host_buffer((num_tensors, *desc.shape), dtype))
+        else:
+            # np.empty + fill touches every page now, so the first transfer does not
+            # pay for page faults (a serving cache is resident too).
+            tensors = [np.empty(desc.shape, dtype=dtype) for _ in range(num_tensors)]
+            for t in tensors:
+                t.view(np.uint8).fill(0)
         cache = cm.register_blocks_cache(desc, tensors, key)
     if seed is not None:
         if pattern:

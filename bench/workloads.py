@@ -1,7 +1,11 @@
 """The standard workloads and pull shapes of DESIGN.md ("Standard workloads"), as data.
 
-Benchmarks import this module; it depends on nothing but the standard library
-(numpy only for :meth:`Workload.np_dtype`, imported lazily).
+Benchmarks import this module. The block-list generator (:class:`SplitMix64`,
+:func:`random_blocks`, :func:`blocks_hash`, :data:`DEFAULT_SEED`) is the one of
+``aiodatadist._cli_bench`` (``aiodatadist bench``), re-exported here so that the
+package and these scripts cannot drift apart (the package cannot import ``bench/``);
+the rest needs nothing but the standard library (numpy only for
+:meth:`Workload.np_dtype`, imported lazily).
 
 A KV cache of a workload is ``num_tensors = num_layers * tensors_per_layer``
 tensors, each ``[num_blocks, *block_shape]`` of ``dtype``; a block of one tensor
@@ -20,6 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from aiodatadist._cli_bench import DEFAULT_SEED, SplitMix64, blocks_hash, random_blocks
+
 __all__ = [
     "DEFAULT_SEED",
     "PULL_SHAPES",
@@ -32,8 +38,6 @@ __all__ = [
     "make_pull",
     "random_blocks",
 ]
-
-DEFAULT_SEED = 20240601
 
 _ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4, "int8": 1, "uint8": 1}
 
@@ -122,68 +126,6 @@ PULL_SHAPES: dict[str, PullShape] = {
         PullShape("1-block-1-tensor", 1, False, 1, single_tensor=True),
     )
 }
-
-
-class SplitMix64:
-    """splitmix64 (Steele, Lea, Flood 2014); mirrored in ``bench/c/baselines.c``."""
-
-    _MASK = (1 << 64) - 1
-
-    def __init__(self, seed: int) -> None:
-        self.state = seed & self._MASK
-
-    def next(self) -> int:
-        self.state = (self.state + 0x9E3779B97F4A7C15) & self._MASK
-        z = self.state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & self._MASK
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & self._MASK
-        return z ^ (z >> 31)
-
-
-def _pick(rng: SplitMix64, pool: int, count: int) -> list[int]:
-    # Partial Fisher-Yates: `count` distinct blocks of [0, pool) in random order.
-    a = list(range(pool))
-    for i in range(count):
-        j = i + rng.next() % (pool - i)
-        a[i], a[j] = a[j], a[i]
-    return a[:count]
-
-
-def _contiguous(blocks: list[int]) -> bool:
-    return any(blocks[i + 1] == blocks[i] + 1 for i in range(len(blocks) - 1))
-
-
-def random_blocks(
-    src_pool: int, dst_pool: int, count: int, seed: int = DEFAULT_SEED
-) -> tuple[list[int], list[int]]:
-    """``count`` distinct random source blocks of ``[0, src_pool)`` and destination
-    blocks of ``[0, dst_pool)``, neither list holding two ascending neighbours
-    (``b[i+1] == b[i] + 1``), so no two pairs merge into one segment: every block
-    is its own segment.  Deterministic in ``seed``; identical to the C baselines."""
-    if not 1 <= count <= min(src_pool, dst_pool):
-        raise ValueError(f"count must be in [1, {min(src_pool, dst_pool)}], got {count}")
-    rng = SplitMix64(seed)
-    out = []
-    for pool in (src_pool, dst_pool):
-        for _ in range(10_000):
-            blocks = _pick(rng, pool, count)
-            if count == 1 or pool < 3 or not _contiguous(blocks):
-                break
-        else:  # pragma: no cover - only for pathological (pool, count)
-            raise ValueError(f"could not draw {count} non-contiguous blocks of {pool}")
-        out.append(blocks)
-    return out[0], out[1]
-
-
-def blocks_hash(src_blocks: list[int], dst_blocks: list[int]) -> str:
-    """FNV-1a 64 over the (src, dst) pairs as little-endian uint64s, as the C baselines print it."""
-    h = 0xCBF29CE484222325
-    for s, d in zip(src_blocks, dst_blocks, strict=True):
-        for v in (s, d):
-            for k in range(8):
-                h ^= (v >> (8 * k)) & 0xFF
-                h = (h * 0x100000001B3) & ((1 << 64) - 1)
-    return f"{h:016x}"
 
 
 @dataclass(frozen=True)

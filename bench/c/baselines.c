@@ -18,6 +18,9 @@
  *
  * Buffers are mmap'd, madvise(MADV_HUGEPAGE)'d (as numpy does; --no-huge to opt
  * out) and touched before timing; the destination is checked at the end.
+ * memcpy --src-shm puts the source in a POSIX shared-memory segment instead
+ * (shm_open + posix_fallocate + MAP_SHARED, not madvise'd: the memory of the
+ * engine's allocated caches, whose huge pages depend on shmem_enabled).
  *
  * A run does 1 warm-up + --repeats timed transfers and prints one JSON line with
  * every sample and the median in GB/s (1e9 bytes/s).  With --serve it sets up,
@@ -45,6 +48,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -59,9 +63,10 @@ typedef struct {
   uint64_t tensors, pool, blocks, block_bytes, seed;
   int threads, streams, repeats, huge, serve;
   uint64_t batch_bytes; /* cma/tcp: cap on bytes per system call (0: IOV_MAX iovecs only) */
+  int src_shm;          /* memcpy: the source in POSIX shared memory */
 } opts_t;
 
-static opts_t O = {NULL, 64, 64, 64, 256 * 1024, 20240601, 2, 1, 7, 1, 0, 0};
+static opts_t O = {NULL, 64, 64, 64, 256 * 1024, 20240601, 2, 1, 7, 1, 0, 0, 0};
 
 static void die(const char *what) {
   fprintf(stderr, "baselines: %s: %s\n", what, strerror(errno));
@@ -72,7 +77,7 @@ static void usage(void) {
   fprintf(stderr,
           "usage: baselines {memcpy|cma|tcp} [--tensors N] [--pool N] [--blocks N]\n"
           "                 [--block-bytes N] [--seed N] [--threads T] [--streams K]\n"
-          "                 [--repeats R] [--batch-bytes N] [--no-huge] [--serve]\n");
+          "                 [--repeats R] [--batch-bytes N] [--no-huge] [--src-shm] [--serve]\n");
   exit(2);
 }
 
@@ -87,6 +92,10 @@ static void parse(int argc, char **argv) {
     }
     if (!strcmp(a, "--serve")) {
       O.serve = 1;
+      continue;
+    }
+    if (!strcmp(a, "--src-shm")) {
+      O.src_shm = 1;
       continue;
     }
     if (i + 1 >= argc) usage();
@@ -222,6 +231,25 @@ static char *alloc_buf(uint64_t n) {
   return p;
 }
 
+/* A POSIX shared-memory segment, as the engine allocates one (ext/shm.cpp):
+ * shm_open, posix_fallocate, MAP_SHARED; unlinked at once (the mapping stays). */
+static char *alloc_shm(uint64_t n) {
+  char name[64];
+  snprintf(name, sizeof name, "/aiodd-baselines-%d", (int)getpid());
+  int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+  if (fd < 0) die("shm_open");
+  shm_unlink(name);
+  int rc = ftruncate(fd, (off_t)n) ? errno : posix_fallocate(fd, 0, (off_t)n);
+  if (rc) {
+    errno = rc;
+    die("allocating shared memory");
+  }
+  void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) die("mmap");
+  close(fd);
+  return p;
+}
+
 /* Source block b of tensor t: every 8-byte word holds its tag (t << 32 | b) + 1. */
 static void fill_src(char *src) {
   const uint64_t bb = O.block_bytes;
@@ -264,9 +292,10 @@ static void report(const char *op, int par, const char *par_name, const double *
   qsort(sorted, (size_t)n, sizeof *sorted, cmp_double);
   double med = n == 0 ? 0 : n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
   printf("{\"op\": \"%s\", \"%s\": %d, \"bytes\": %llu, \"segments\": %zu, \"blocks_hash\": \"%016llx\", "
-         "\"runs\": %d, \"huge\": %s, \"verified\": %s, \"median_gbps\": %.4f, \"samples_gbps\": [",
+         "\"runs\": %d, \"huge\": %s, \"src_shm\": %s, \"verified\": %s, \"median_gbps\": %.4f, "
+         "\"samples_gbps\": [",
          op, par_name, par, (unsigned long long)g_total, g_segs.n, (unsigned long long)g_hash, n,
-         O.huge ? "true" : "false", verified ? "true" : "false", med);
+         O.huge ? "true" : "false", O.src_shm ? "true" : "false", verified ? "true" : "false", med);
   for (int i = 0; i < n; ++i) printf("%s%.4f", i ? ", " : "", gbps[i]);
   printf("]}\n");
   fflush(stdout);
@@ -315,7 +344,7 @@ static int g_par; /* threads or streams */
 
 static void setup_memcpy(void) {
   uint64_t n = buf_bytes();
-  char *src = alloc_buf(n);
+  char *src = O.src_shm ? alloc_shm(n) : alloc_buf(n);
   g_dst = alloc_buf(n);
   fill_src(src);
   memset(g_dst, 0, n);
@@ -590,7 +619,7 @@ int bl_cma_read(int pid, const uint64_t *remote_src, const uint64_t *local_dst, 
 #ifndef BASELINES_LIB
 int main(int argc, char **argv) {
   parse(argc, argv);
-  if (O.threads > 64) usage();
+  if (O.threads > 64 || (O.src_shm && strcmp(O.op, "memcpy"))) usage();
   signal(SIGPIPE, SIG_IGN);
   build_segments();
   void (*setup)(void);

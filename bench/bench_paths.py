@@ -1,0 +1,256 @@
+"""The data paths between two processes against plain-C baselines, measured in the same run.
+
+    .venv/bin/python bench/bench_paths.py [--repeats 9] [--runs 3] [--json PATH]
+
+The cross-process issue's measurement (item 6): a 1 GiB ``llama8b-fp16`` pull
+(64 random non-contiguous blocks of all 64 tensors, 4096 segments of 256 KiB)
+through the engine (``await cache_manager.pull_blocks(...)``) from a prompt in
+another process, on each data path:
+
+========  =========================================  ===========================================
+path      engine                                     baseline (``bench/c/baselines.c``)
+========  =========================================  ===========================================
+``shm``   the prompt's cache allocated in POSIX      ``memcpy --src-shm``, 2 threads: the same
+          shared memory; the decoder maps it and     gather from a POSIX shared-memory source
+          copies (``MoverThreads`` = 2)
+``cma``   the prompt's cache registered (anonymous,  ``cma``: ``process_vm_readv`` from a forked
+          ``MADV_HUGEPAGE``); ``process_vm_readv``   child, 2 threads
+``tcp``   the same cache; ``sendmsg`` / ``readv``    ``tcp``: ``writev`` / ``readv`` over 2
+          over ``TcpStreams`` = 2 loopback streams   loopback streams (``--tcp-batch-bytes``: a
+                                                     cap per call, e.g. the mover's 4 MiB)
+========  =========================================  ===========================================
+
+Every buffer of both sides is of the same kind as its counterpart's: the decoder's
+destination (and every C destination) is anonymous memory advised with
+``MADV_HUGEPAGE``, as are the registered prompt cache and the C sources of ``cma``
+and ``tcp``; the ``shm`` path and its baseline read from POSIX shared memory, which
+gets huge pages only where ``/sys/kernel/mm/transparent_hugepage/shmem_enabled``
+allows it. The ``huge e/b`` column says how much of each side's memory the kernel
+really backed with huge pages (``/proc/PID/smaps``).
+
+The engine's and the baseline's transfers alternate (ABBA) after one warm-up each;
+``--repeats`` samples each (>= 7). ``ratio`` = engine median / baseline median;
+``paired`` = median of the per-sample ratios, which the goal (>= 0.9x) is judged on.
+``--runs N`` repeats the whole measurement (fresh processes) and summarizes the
+paired ratios over the runs. The machinery is ``aiodatadist bench``'s
+(``aiodatadist._cli_bench``); every pull is checked byte for byte, every baseline by
+the hash of its blocks and its destination.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from aiodatadist._cli_bench import (
+    DEFAULT_SEED,
+    WORKLOADS,
+    Point,
+    baseline_spec,
+    find_c_baselines,
+    host_meta,
+    memory_note,
+    run_workload,
+)
+
+GOAL = 0.9
+PATHS = ("shm", "cma", "tcp")
+GOAL_TEXT = {
+    "shm": "shm >= 0.9x the 2-thread C memcpy gather",
+    "cma": "cma >= 0.9x the 2-thread C process_vm_readv gather",
+    "tcp": "tcp >= 0.9x 2-stream C loopback TCP",
+}
+
+
+def _span(xs: list[float]) -> str:
+    return f"{min(xs):.2f}..{max(xs):.2f}" if xs else "-"
+
+
+def _f(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _verdict(p: Point) -> str:
+    r = p.paired_ratio
+    if r is None:
+        return "-"
+    return f">= {GOAL}x {'met' if r >= GOAL else 'MISSED'}"
+
+
+def table(points: list[Point]) -> str:
+    hdr = (
+        f"{'path':<5} {'memory':<12} {'engine GB/s':>11} {'min..max':>12}  {'baseline':<24} "
+        f"{'GB/s':>6} {'min..max':>12} {'ratio':>6} {'paired':>6}  {'huge e/b':<9}  goal"
+    )
+    lines = [hdr, "-" * (len(hdr) + 16)]
+    for p in points:
+        huge = "/".join(
+            "?" if x is None else f"{100 * x:.0f}%" for x in (p.huge_engine, p.huge_baseline)
+        )
+        flag = "" if p.verified else "  DATA MISMATCH"
+        lines.append(
+            f"{p.path:<5} {p.memory:<12} {_f(p.median, '.2f'):>11} {_span(p.samples):>12}  "
+            f"{p.baseline or '-':<24} {_f(p.baseline_median, '.2f'):>6} "
+            f"{_span(p.baseline_samples):>12} {_f(p.ratio):>6} {_f(p.paired_ratio):>6}  "
+            f"{huge:<9}  {_verdict(p)}{flag}" + (f"  ({p.note})" if p.note else "")
+        )
+    return "\n".join(lines)
+
+
+def summary(runs: list[list[Point]], tcp_batch_bytes: int = 0) -> dict[str, dict[str, Any]]:
+    """Per path, over the runs: the medians and the paired ratios, and the verdict."""
+    out: dict[str, dict[str, Any]] = {}
+    for path in PATHS:
+        pts = [p for run in runs for p in run if p.path == path]
+        paired = [p.paired_ratio for p in pts if p.paired_ratio is not None]
+        if not paired:
+            continue
+        med = statistics.median(paired)
+        out[path] = {
+            "goal": GOAL_TEXT[path]
+            + (
+                " (capped calls: stronger than the plain one)"
+                if path == "tcp" and tcp_batch_bytes
+                else ""
+            ),
+            "baseline": pts[0].baseline,
+            "memory": pts[0].memory,
+            "runs": len(pts),
+            "engine_median_gbps": [round(p.median or 0, 4) for p in pts],
+            "baseline_median_gbps": [round(p.baseline_median or 0, 4) for p in pts],
+            "paired_ratios": [round(r, 4) for r in paired],
+            "paired_ratio_median": round(med, 4),
+            "paired_ratio_min": round(min(paired), 4),
+            "paired_ratio_max": round(max(paired), 4),
+            "goal_met": med >= GOAL,
+        }
+    return out
+
+
+async def measure(args: argparse.Namespace) -> list[list[Point]]:
+    exe, why = find_c_baselines()
+    if exe is None:
+        raise SystemExit(f"no C baselines: {why}")
+    w = WORKLOADS["llama8b-fp16"]
+    runs: list[list[Point]] = []
+    for i in range(args.runs):
+        t0 = time.perf_counter()
+        load = os.getloadavg()[0]
+        skipped: dict[str, str] = {}
+        points = await run_workload(
+            w, args.pool, [args.blocks], args.paths, args, exe, None, skipped
+        )
+        order = {p: k for k, p in enumerate(PATHS)}
+        points.sort(key=lambda p: order[p.path])
+        runs.append(points)
+        print(
+            f"\nrun {i + 1}/{args.runs} ({time.perf_counter() - t0:.0f} s, load average "
+            f"{load:.2f} at the start)",
+            flush=True,
+        )
+        print(table(points), flush=True)
+        for path, reason in skipped.items():
+            print(f"skipped {path}: {reason}")
+    return runs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--repeats", type=int, default=9, help="alternated samples (>= 7; default 9)")
+    ap.add_argument("--runs", type=int, default=1, help="whole measurements (default 1)")
+    ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated (shm,cma,tcp)")
+    ap.add_argument("--blocks", type=int, default=64, help="random blocks per pull (64: 1 GiB)")
+    ap.add_argument("--pool", type=int, default=64, help="blocks per tensor on each side")
+    ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    ap.add_argument(
+        "--tcp-batch-bytes",
+        type=int,
+        default=0,
+        help="cap the C TCP baseline's calls (0: IOV_MAX iovecs per call, the plain one)",
+    )
+    ap.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an init option of the decoders (e.g. aiodatadist.MoverThreads=2), repeatable",
+    )
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = ap.parse_args()
+    args.paths = [p for p in args.paths.split(",") if p]
+    if not args.paths or any(p not in PATHS for p in args.paths):
+        ap.error(f"--paths: a comma-separated subset of {','.join(PATHS)}")
+    if args.repeats < 7:
+        ap.error("--repeats must be >= 7")
+    if not 1 <= args.blocks <= args.pool:
+        ap.error("--blocks must be in [1, --pool]")
+    args.timeout = 120.0
+    args.decoder_options = dict(o.partition("=")[::2] for o in args.option)
+
+    w = WORKLOADS["llama8b-fp16"]
+    nbytes = args.blocks * w.num_tensors * w.block_bytes
+    print(
+        f"llama8b-fp16: {args.blocks} random blocks x {w.num_tensors} tensors = "
+        f"{nbytes / 2**20:.0f} MiB per pull ({args.blocks * w.num_tensors} segments), between "
+        f"two processes;\n{args.repeats} alternated samples per side after a warm-up; GB/s = "
+        f"1e9 B/s; baselines: "
+        + ", ".join(f"{p}: {baseline_spec(p, args.tcp_batch_bytes).label}" for p in args.paths)
+        + (f"; decoder options {args.decoder_options}" if args.decoder_options else ""),
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    runs = asyncio.run(measure(args))
+    elapsed = time.perf_counter() - t0
+    print()
+    print(memory_note())
+    summ = summary(runs, args.tcp_batch_bytes)
+    print(f"\nGoals (paired ratio; median over {args.runs} run{'s' * (args.runs > 1)}):")
+    for s in summ.values():
+        spread = (
+            f" (runs: {', '.join(f'{r:.3f}' for r in s['paired_ratios'])})" if args.runs > 1 else ""
+        )
+        verdict = "met" if s["goal_met"] else "MISSED"
+        print(f"  {s['goal']:<52} paired {s['paired_ratio_median']:.3f}{spread}: {verdict}")
+    print(f"({elapsed:.0f} s)")
+    if args.json:
+        doc = {
+            "meta": {
+                "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+                "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+                **host_meta(),
+                "workload": "llama8b-fp16",
+                "blocks": args.blocks,
+                "pool": args.pool,
+                "bytes_per_pull": nbytes,
+                "repeats": args.repeats,
+                "runs": args.runs,
+                "seed": args.seed,
+                "decoder_options": args.decoder_options,
+                "tcp_batch_bytes": args.tcp_batch_bytes,
+                "unit": "GB/s = 1e9 bytes/s",
+                "elapsed_s": round(elapsed, 1),
+            },
+            "memory_note": memory_note(),
+            "runs": [[p.as_json() for p in run] for run in runs],
+            "summary": summ,
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if not all(p.verified for run in runs for p in run):
+        raise SystemExit("a destination check failed")
+
+
+if __name__ == "__main__":
+    main()
