@@ -28,6 +28,7 @@ from .testing import (
     PeerProcess,
     PromptSpec,
     cluster_info,
+    host_buffer,
     pattern_mismatches,
 )
 from .types import BlocksCacheKey, LLMRole
@@ -158,7 +159,8 @@ async def run_demo(args: argparse.Namespace) -> int:
                 f"  corrupt  the prompt flipped byte {corrupt[2]} of block {corrupt[1]} of "
                 f"tensor {corrupt[0]} after filling: verification must fail"
             )
-        dst = [np.zeros(spec.desc().shape, dtype=np.float16) for _ in range(spec.num_tensors)]
+        # The decoder's cache on huge-page-advised memory, as a serving process would have it.
+        dst = list(host_buffer((spec.num_tensors, *spec.desc().shape), np.float16))
         results = []
         for i, path in enumerate(args.paths):
             results.append(
