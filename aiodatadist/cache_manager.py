@@ -185,21 +185,35 @@ class CacheTask:
     async def synchronize(self, timeout_in_millis: int | None = None) -> LLMStatusCode:
         """Waits for the pipeline; the first failure, else ``LLM_SUCCESS``.
 
+        ``LLM_FAILED`` when the pipeline was stopped (``cancel``, ``finalize``) before
+        every config completed: success means every layer of every config landed.
         On timeout returns ``LLM_TIMEOUT`` and the pipeline keeps running (as upstream).
         A cancel of the awaiting task does not cancel the pipeline either.
+
+        Raises:
+            TypeError, LLMParamError: a bad ``timeout_in_millis``.
         """
         if not await self._wait(timeout_in_millis):
             return LLMStatusCode.LLM_TIMEOUT
         for r in self._results:
             if r is not None and r != LLMStatusCode.LLM_SUCCESS:
                 return r
+        if any(r is None for r in self._results):
+            return LLMStatusCode.LLM_FAILED  # stopped without a recorded failure: cancelled
         return LLMStatusCode.LLM_SUCCESS
 
     @bridged
     async def get_results(self, timeout_in_millis: int | None = None) -> list[LLMStatusCode | None]:
-        """One status per transfer config; ``None`` for a config that never started.
+        """One status per transfer config.
 
-        If the pipeline is still running after the timeout, every entry is ``LLM_TIMEOUT``.
+        ``LLM_SUCCESS`` once a config's last layer was sent; the failing config's status
+        for the failure that stopped the job; ``None`` for a config that did not complete
+        (never started, or stopped part-way by another config's failure, a False from
+        ``synchronize_layer`` or a cancel). If the pipeline is still running after the
+        timeout, every entry is ``LLM_TIMEOUT``.
+
+        Raises:
+            TypeError, LLMParamError: a bad ``timeout_in_millis``.
         """
         if not await self._wait(timeout_in_millis):
             return [LLMStatusCode.LLM_TIMEOUT] * len(self._results)
@@ -921,7 +935,8 @@ class CacheManager:
         sent to every config covering it, each under the link's FIFO slot and a
         ``sync_kv_timeout`` deadline. ``False`` marks the configs covering that layer
         ``LLM_PARAM_INVALID`` and stops; the first transfer failure records that
-        config's status and stops the whole job (later layers are not sent).
+        config's status and stops the whole job (later layers are not sent). A config
+        stopped part-way reports ``None`` in ``get_results``; see ``CacheTask``.
 
         Raises (synchronously, before anything is sent):
             TypeError, LLMParamError: bad arguments.
@@ -1154,7 +1169,9 @@ class CacheManager:
                 return
             for i in covering:
                 cfg = configs[i]
-                results[i] = results[i] or None
+                # results[i] stays None until this config's last layer is sent (or it is the
+                # one that fails): a config stopped part-way, by another config's failure,
+                # a False from synchronize_layer or a cancel, reports None, as upstream.
                 try:
                     link = self._dd._registry.get(cfg.dst_cluster_id, api)
                     if isinstance(cfg, TransferWithCacheKeyConfig):
@@ -1174,6 +1191,16 @@ class CacheManager:
                         e,
                     )
                     results[i] = e.status_code
+                    return
+                except Exception:
+                    # Not an engine error (an OS error from a data path, a bug): still this
+                    # config's failure, never a silent stop that synchronize reads as success.
+                    log.exception(
+                        "transfer_cache_async: layer %d to cluster %d failed",
+                        layer,
+                        cfg.dst_cluster_id,
+                    )
+                    results[i] = LLMStatusCode.LLM_FAILED
                     return
                 if layer == spans[i].stop - 1:
                     results[i] = LLMStatusCode.LLM_SUCCESS

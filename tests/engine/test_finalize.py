@@ -187,6 +187,7 @@ async def test_finalize_cancels_transfer_pipelines() -> None:
             assert loop.time() - start < 0.1 + BOUND_S
             assert async_task.done()
             assert await async_task.get_results(0) == [None]
+            assert await async_task.synchronize(0) == LLMStatusCode.LLM_FAILED
         finally:
             release.set()
         await wait_until(sync_task.done, what="the blocked pipeline to end")

@@ -38,6 +38,7 @@ from ._util import (
     big_cache,
     blocks_of,
     executor_of,
+    link_of,
     snapshot,
     wait_until,
 )
@@ -384,12 +385,37 @@ async def test_cancel_stops_after_the_layer_in_flight(pair: Pair) -> None:
     await task.cancel()
     assert task.done()
     assert await task.get_results(0) == [None]
+    # Layers 1..3 never landed: a stopped job is not a success.
+    assert await task.synchronize(0) == S.LLM_FAILED
     assert all(_layer_zero(dst, layer) for layer in range(1, LAYERS))
     # The link is free: a pull on it works.
     await pair.decoder.cache_manager.pull_blocks(BlocksCacheKey(P, 0),
                                                  dst.cache, [5], [5])
     for t in range(2 * LAYERS):
         assert _same(dst.tensors[t][5], src.tensors[t][5])
+
+
+async def test_an_unexpected_error_is_that_configs_failure(pair: Pair) -> None:
+    src, dst = _setup(pair)
+    link = link_of(pair.prompt, D)
+    sent = 0
+    real_push = link.channel.push
+
+    async def push(*args):
+        nonlocal sent
+        if sent == 1:
+            raise ConnectionResetError("the data path broke")
+        sent += 1
+        await real_push(*args)
+
+    link.channel.push = push
+    cfg = TransferWithCacheKeyConfig(BlocksCacheKey(D, 5), range(0, LAYERS), range(0, LAYERS))
+    task = await pair.prompt.cache_manager.transfer_cache_async(
+        src.cache, Recording(lambda layer: None), [cfg], [0], [0]
+    )
+    assert await task.synchronize(30_000) == S.LLM_FAILED
+    assert await task.get_results(0) == [S.LLM_FAILED]
+    assert _layer_sent(src, dst, 0, 0, [0], [0]) and _layer_zero(dst, 1)
 
 
 def _bad_calls(src, rows, sync):
