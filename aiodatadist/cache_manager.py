@@ -12,6 +12,7 @@ and ``CancelledError`` propagates.
 from __future__ import annotations
 
 import asyncio
+import copy
 import ctypes
 import inspect
 import itertools
@@ -955,6 +956,9 @@ class CacheManager:
         require(len(transfer_configs) > 0, "transfer_configs must not be empty")
         for i, c in enumerate(transfer_configs):
             check_type(f"transfer_configs[{i}]", c, (TransferConfig, TransferWithCacheKeyConfig))
+        # The pipeline reads the configs layer by layer, later: it gets copies, so a config
+        # the caller changes after this call cannot undo the checks below.
+        configs = [copy.copy(c) for c in transfer_configs]
         require(
             local.num_tensors % 2 == 0,
             f"src_cache must hold K,V pairs (an even tensor count), has {local.num_tensors}",
@@ -993,13 +997,20 @@ class CacheManager:
                 f"size {local.block_bytes}",
             )
         spans: list[range] = []
-        for i, c in enumerate(transfer_configs):
+        for i, c in enumerate(configs):
             lr = c.src_layer_range if c.src_layer_range is not None else range(num_layers)
             require(
                 lr.stop <= num_layers,
                 f"transfer_configs[{i}].src_layer_range {lr!r} exceeds the {num_layers} "
                 "layers of src_cache",
             )
+            if isinstance(c, TransferWithCacheKeyConfig):
+                # The constructor checks this; the setters cannot (one range at a time).
+                require(
+                    len(c.dst_layer_range) == len(lr),
+                    f"transfer_configs[{i}]: src_layer_range {lr!r} and dst_layer_range "
+                    f"{c.dst_layer_range!r} differ in length",
+                )
             if isinstance(c, TransferConfig):
                 require(
                     len(c.dst_addrs) == 2 * len(lr),
@@ -1018,7 +1029,7 @@ class CacheManager:
             task,
             local,
             layer_synchronizer,
-            list(transfer_configs),
+            configs,
             spans,
             src_blocks,
             dst_blocks,

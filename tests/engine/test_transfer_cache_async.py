@@ -418,6 +418,36 @@ async def test_an_unexpected_error_is_that_configs_failure(pair: Pair) -> None:
     assert _layer_sent(src, dst, 0, 0, [0], [0]) and _layer_zero(dst, 1)
 
 
+async def test_ranges_changed_by_setters_are_checked_at_the_call(pair: Pair) -> None:
+    src, dst = _setup(pair)
+    cfg = TransferWithCacheKeyConfig(BlocksCacheKey(D, 5), range(0, 1), range(0, 1))
+    cfg.src_layer_range = range(0, LAYERS)  # now 4 source layers onto 1 destination layer
+    with pytest.raises(LLMParamError, match="dst_layer_range"):
+        await pair.prompt.cache_manager.transfer_cache_async(
+            src.cache, Recording(lambda layer: None), [cfg], [0], [0]
+        )
+    assert all(not t.view(np.uint8).any() for t in dst.tensors)
+
+
+async def test_a_config_changed_after_the_call_does_not_change_the_job(pair: Pair) -> None:
+    src, dst = _setup(pair)
+    go = asyncio.Event()
+
+    class Waits(LayerSynchronizer):
+        async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None):
+            await go.wait()
+            return True
+
+    cfg = TransferWithCacheKeyConfig(BlocksCacheKey(D, 5), range(0, 1), range(0, 1))
+    task = await pair.prompt.cache_manager.transfer_cache_async(src.cache, Waits(), [cfg],
+                                                                [0], [0])
+    cfg.dst_layer_range = range(3, 4)  # after the checks: must not redirect the push
+    go.set()
+    assert await task.synchronize(30_000) == S.LLM_SUCCESS
+    assert _layer_sent(src, dst, 0, 0, [0], [0])
+    assert _layer_zero(dst, 3)
+
+
 def _bad_calls(src, rows, sync):
     key = BlocksCacheKey(D, 5)
     cfg = TransferWithCacheKeyConfig(key, range(0, 1), range(0, 1))
