@@ -142,6 +142,11 @@ class Peer:
         slots = self.n_streams if is_client else _STREAM_SLOTS
         self.streams: list[list[socket.socket | None]] = [[None] * slots, [None] * slots]
         self.streams_ready = [asyncio.Event(), asyncio.Event()]
+        # Data-stream sockets a native job is using (with a count), and those dropped
+        # meanwhile: closing one under the job would free its fd number for reuse, and the
+        # job's bytes could then go to (or come from) whatever gets that number next.
+        self._streams_in_use: dict[socket.socket, int] = {}
+        self._streams_retired: set[socket.socket] = set()
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._pongs: dict[int, asyncio.Future[None]] = {}
         self._send_lock = asyncio.Lock()
@@ -323,16 +328,21 @@ class Peer:
             socks = self.streams[peer_dir][:n]
             if len(socks) < n or any(s is None for s in socks):
                 raise _link_error(api, "data streams are not connected")
-            fds = [s.fileno() for s in socks if s is not None]
             addrs = entry.addrs
             entry.hold(api)
             try:
                 executor = self.dd._executor_or_raise()
-                if pull:
-                    job = lambda c: _native.sock_send(fds, plan, addrs, c)  # noqa: E731
-                else:
-                    job = lambda c: _native.sock_recv(fds, plan, addrs, c)  # noqa: E731
-                await executor.run(job, deadline=deadline, api=api)
+                held = [s for s in socks if s is not None]
+                fds = self.hold_streams(held)
+                try:
+                    if pull:
+                        job = lambda c: _native.sock_send(fds, plan, addrs, c)  # noqa: E731
+                    else:
+                        job = lambda c: _native.sock_recv(fds, plan, addrs, c)  # noqa: E731
+                    await executor.run(job, deadline=deadline, api=api)
+                finally:
+                    # executor.run returns (even when cancelled) only once the job has.
+                    self.release_streams(held)
             finally:
                 entry.release()
         except TimeoutError as e:
@@ -356,9 +366,36 @@ class Peer:
         self.streams_ready[direction].clear()
         for i, s in enumerate(self.streams[direction]):
             if s is not None:
+                self._close_stream(s)
+            self.streams[direction][i] = None
+
+    def _close_stream(self, s: socket.socket) -> None:
+        """Closes a data stream, or, while a native job uses it, shuts it down (which ends
+        the job's wait at once) and closes it when the job has returned."""
+        if s in self._streams_in_use:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            self._streams_retired.add(s)
+            return
+        with contextlib.suppress(OSError):
+            s.close()
+
+    def hold_streams(self, socks: list[socket.socket]) -> list[int]:
+        """Keeps ``socks`` open (their fd numbers ours) until :meth:`release_streams`,
+        which must come only after the native job given the returned fds has returned."""
+        for s in socks:
+            self._streams_in_use[s] = self._streams_in_use.get(s, 0) + 1
+        return [s.fileno() for s in socks]
+
+    def release_streams(self, socks: list[socket.socket]) -> None:
+        for s in socks:
+            left = self._streams_in_use.pop(s, 1) - 1
+            if left:
+                self._streams_in_use[s] = left
+            elif s in self._streams_retired:
+                self._streams_retired.discard(s)
                 with contextlib.suppress(OSError):
                     s.close()
-            self.streams[direction][i] = None
 
     def attach_stream(self, index: int, sock: socket.socket) -> bool:
         direction, i = divmod(index, _STREAM_SLOTS)
@@ -366,8 +403,7 @@ class Peer:
             return False
         old = self.streams[direction][i]
         if old is not None:
-            with contextlib.suppress(OSError):
-                old.close()
+            self._close_stream(old)
         self.streams[direction][i] = sock
         # The client opened them all before it uses them; the server uses those that came.
         need = self.streams[direction] if self.is_client else self.streams[direction][:1]
@@ -404,19 +440,21 @@ class Peer:
                     raise
                 self.attach_stream(base + i, sock)
 
-    async def ensure_streams(self, direction: int, deadline: float | None) -> list[int]:
+    async def ensure_streams(self, direction: int, deadline: float | None) -> list[socket.socket]:
+        """The leading run of connected streams of ``direction`` (connecting them if needed);
+        a job on them holds them with :meth:`hold_streams`."""
         if not self.streams_ready[direction].is_set():
             if self.is_client:
                 await self.connect_streams(direction, deadline)
             else:
                 async with asyncio.timeout_at(deadline):
                     await self.streams_ready[direction].wait()
-        fds = []
+        socks = []
         for s in self.streams[direction]:  # the leading run of connected streams
             if s is None:
                 break
-            fds.append(s.fileno())
-        return fds
+            socks.append(s)
+        return socks
 
     async def request(
         self, msg_type: _wire.MsgType, body: dict[str, Any], binary: bytes

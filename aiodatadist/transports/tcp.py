@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from typing import TYPE_CHECKING, Any
 
 from .. import _native, _wire
@@ -75,9 +76,10 @@ class TcpPath:
         loop = asyncio.get_running_loop()
         direction = peer.my_direction
         clean = False
+        held: list[socket.socket] = []
         try:
             try:
-                fds = await peer.ensure_streams(direction, call.deadline)
+                socks = await peer.ensure_streams(direction, call.deadline)
             except TimeoutError:
                 raise LLMException(
                     format_error(
@@ -93,9 +95,13 @@ class TcpPath:
             body = {
                 "cache_id": remote.cache_id,
                 "deadline_ms": min(left_ms, 2**31 - 1),
-                "streams": len(fds),
+                "streams": len(socks),
                 **extra,
             }
+            # Held open until the mover has returned (the job is quiesced before `finally`):
+            # a close meanwhile (link dropped, streams replaced) must not free the fd numbers.
+            fds = peer.hold_streams(socks)
+            held = socks
             _, done = await peer.request(msg_type, body, _wire.segments_to_bytes(plan.segments()))
             ctl = _native.Control()
             job = loop.create_task(
@@ -140,6 +146,7 @@ class TcpPath:
                 # A reply that says why beats our local symptom (e.g. the peer's refusal).
                 raise
         finally:
+            peer.release_streams(held)
             if not clean:
                 with contextlib.suppress(Exception):
                     peer._drop_streams(direction)

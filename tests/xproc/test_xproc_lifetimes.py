@@ -1,0 +1,158 @@
+"""What a running native job uses stays alive until the job has returned.
+
+A link can be closed under a transfer (``unlink_clusters(force=True)``, the peer's
+control connection dropping, the client replacing its data streams): the sockets and
+shared-memory mappings the job was given must not be closed or unmapped under it.
+A closed socket frees its fd number, and the next socket or file this process opens
+would get it: the job would then read bytes from, or send the cache to, the wrong
+connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import xproc_common as xc
+from xproc_harness import Harness, RawClient, decoder_options, link, until
+
+from aiodatadist import BlocksCacheKey, LLMException, LLMRole, LLMStatusCode
+from aiodatadist.testing import cluster_info
+
+PROMPT, DECODER, RAW = 41, 42, 43
+SEED = 17
+S = LLMStatusCode
+
+
+def _stop_when_bytes_land(view: np.ndarray, pid: int, out: dict[str, float]) -> None:
+    end = time.monotonic() + 5
+    while view[0] == 0 and time.monotonic() < end:
+        pass
+    os.kill(pid, signal.SIGSTOP)
+    out["stopped"] = time.monotonic()
+
+
+def _same_sockets(fds: list[int], inodes: list[int]) -> list[str]:
+    """What is wrong with ``fds`` (closed, or another file now), compared with ``inodes``."""
+    wrong = []
+    for fd, ino in zip(fds, inodes, strict=True):
+        try:
+            now = os.fstat(fd).st_ino
+        except OSError as e:
+            wrong.append(f"fd {fd}: {e}")
+            continue
+        if now != ino:
+            wrong.append(f"fd {fd} is another file now")
+    return wrong
+
+
+@pytest.mark.asyncio
+async def test_force_unlink_keeps_streams_open_until_the_mover_returns() -> None:
+    """A tcp pull is blocked in the native receiver (the prompt frozen mid-transfer) when
+    the link is force-unlinked: the receiver's sockets are shut down, not closed, so it
+    fails at once with the peer gone, and their fd numbers stay ours until it returned."""
+    async with Harness() as h:
+        prompt = await h.peer(cluster_id=PROMPT, data_path="tcp", seed=SEED, big_mib=64)
+        dd, local = await h.local(DECODER, decoder_options("tcp"), big_mib=64)
+        await link(dd, prompt, PROMPT)
+        lk = dd._registry.find(PROMPT)
+        assert lk is not None
+        peer = lk.channel.peer  # type: ignore[attr-defined]
+        big = local["big"]
+        nblocks = big.spec.shape[0]
+        stamps: dict[str, float] = {}
+        watcher = threading.Thread(
+            target=_stop_when_bytes_land, args=(big.views[0], prompt.pid, stamps), daemon=True
+        )
+        watcher.start()
+        loop = asyncio.get_running_loop()
+        pull = asyncio.ensure_future(
+            dd.cache_manager.pull_blocks(
+                BlocksCacheKey(PROMPT, xc.MODEL_BIG),
+                big.cache,
+                list(range(nblocks)),
+                list(range(nblocks)),
+                timeout=10.0,
+            )
+        )
+        try:
+            await asyncio.to_thread(watcher.join, 6)
+            assert "stopped" in stamps, "no byte of the pull ever landed"
+            socks = [s for s in peer.streams[peer.my_direction] if s is not None]
+            fds = [s.fileno() for s in socks]
+            inodes = [os.fstat(fd).st_ino for fd in fds]
+            assert dd._executor.in_flight == 1 and not pull.done()
+            started = loop.time()
+            status, _ = await dd.unlink_clusters([cluster_info(PROMPT)], 3000, force=True)
+            assert status == S.LLM_SUCCESS
+            # Files opened now would take any fd number the unlink freed.
+            spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(len(fds) + 4)]
+            try:
+                if dd._executor.in_flight:
+                    assert _same_sockets(fds, inodes) == []
+            finally:
+                for fd in spare:
+                    os.close(fd)
+            with pytest.raises(LLMException) as ei:
+                await asyncio.wait_for(pull, 15)
+            # The receiver was woken by the shutdown, not by the pull's deadline.
+            assert ei.value.status_code != S.LLM_TIMEOUT, ei.value
+            assert loop.time() - started < 3.0
+            # Once it returned, nothing is left open.
+            assert all(s.fileno() == -1 for s in socks)
+            assert peer._streams_in_use == {} and peer._streams_retired == set()
+        finally:
+            prompt.kill(signal.SIGCONT)
+
+
+@pytest.mark.asyncio
+async def test_replaced_stream_is_not_closed_under_the_serving_job() -> None:
+    """The serving side sends a big pull to a client that does not read; the client opens
+    a new data stream in the same slot. The serving job's socket is shut down (the job
+    fails at once, not at its deadline) and closed only after the job returned."""
+    async with Harness() as h:
+        opts = decoder_options("tcp", **{"llm.listenIpInfo": "127.0.0.1:0"})
+        dd, local = await h.local(PROMPT, opts, role=LLMRole.PROMPT, seed=SEED, big_mib=64)
+        assert dd.listen_address is not None
+        host, port = dd.listen_address
+        big = local["big"]
+        entry = dd.cache_manager._entries[big.cache.cache_id]
+        tensor = big.spec.nbytes
+        async with RawClient(host, port) as raw:
+            await raw.handshake(RAW)
+            await raw.open_stream(0)
+            assert dd._server is not None
+            (peer,) = dd._server.peers.values()
+            await raw.pull(
+                1,
+                big.cache.cache_id,
+                [(0, 0, 0, 0, tensor)],
+                dst_geometry=(1, big.spec.shape[0], big.spec.unit),
+                deadline_ms=10_000,
+            )
+            loop = asyncio.get_running_loop()
+            await until(lambda: entry.busy > 0, what="the serving job to start")
+            await asyncio.sleep(0.2)  # blocked: the raw client reads nothing
+            sock = peer.streams[0][0]  # the client-initiated direction
+            assert sock is not None
+            fd, ino = sock.fileno(), os.fstat(sock.fileno()).st_ino
+            started = loop.time()
+            await raw.open_stream(0)  # replaces slot 0 under the running job
+            spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(4)]
+            try:
+                if entry.busy:
+                    assert _same_sockets([fd], [ino]) == []
+            finally:
+                for f in spare:
+                    os.close(f)
+            done = await raw.done(timeout=15)
+            assert done["req"] == 1
+            assert done["status"] not in (S.LLM_SUCCESS, S.LLM_TIMEOUT), done
+            assert loop.time() - started < 3.0
+            assert entry.busy == 0 and sock.fileno() == -1
+            assert peer._streams_in_use == {} and peer._streams_retired == set()
