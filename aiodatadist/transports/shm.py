@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .. import _native
 from ..errors import LLMException, LLMStatusCode, format_error, from_native
@@ -28,6 +28,10 @@ class ShmPath:
 
     def __init__(self) -> None:
         self._maps: dict[tuple[str, bool], _native.ShmSegment] = {}
+        # Copies running on the executor with addresses inside the mappings, and whether
+        # close() came meanwhile: unmapping under a running copy would crash the process.
+        self._busy = 0
+        self._close_pending = False
 
     @staticmethod
     def applies(remote: CacheEntry) -> bool:
@@ -57,29 +61,42 @@ class ShmPath:
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
     ) -> None:
         src = self._addrs(call.api, remote, writable=False)
-        await call.run(
-            functools.partial(local_copy, plan, src, local.addrs, call.mover_threads),
-            local_bytes=plan.total_bytes,
+        await self._run(
+            call, functools.partial(local_copy, plan, src, local.addrs, call.mover_threads), plan
         )
 
     async def push(
         self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call
     ) -> None:
         dst = self._addrs(call.api, remote, writable=True)
-        await call.run(
-            functools.partial(local_copy, plan, local.addrs, dst, call.mover_threads),
-            local_bytes=plan.total_bytes,
+        await self._run(
+            call, functools.partial(local_copy, plan, local.addrs, dst, call.mover_threads), plan
         )
+
+    async def _run(self, call: Call, job: Any, plan: _native.Plan) -> None:
+        self._busy += 1
+        try:
+            # Returns (even when cancelled) only once the native copy has.
+            await call.run(job, local_bytes=plan.total_bytes)
+        finally:
+            self._busy -= 1
+            if self._close_pending and not self._busy:
+                self.close()
 
     def forget(self, live_names: set[str], busy: bool) -> None:
         """Unmaps segments the peer no longer lists (not while transfers run)."""
-        if busy:
+        if busy or self._busy:
             return
         for key in [k for k in self._maps if k[0] not in live_names]:
             with contextlib.suppress(Exception):
                 self._maps.pop(key).close()
 
     def close(self) -> None:
+        """Unmaps every segment; while copies run, once the last one has returned."""
+        if self._busy:
+            self._close_pending = True
+            return
+        self._close_pending = False
         for seg in self._maps.values():
             with contextlib.suppress(Exception):
                 seg.close()

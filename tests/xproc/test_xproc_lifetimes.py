@@ -1,7 +1,7 @@
 """What a running native job uses stays alive until the job has returned.
 
-A link can be closed under a transfer (``unlink_clusters(force=True)``, the peer's
-control connection dropping, the client replacing its data streams): the sockets and
+A link can be closed under a transfer (the peer's control connection dropping, the
+client replacing its data streams, an unlink): the sockets and
 shared-memory mappings the job was given must not be closed or unmapped under it.
 A closed socket frees its fd number, and the next socket or file this process opens
 would get it: the job would then read bytes from, or send the cache to, the wrong
@@ -15,14 +15,17 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
 import xproc_common as xc
 from xproc_harness import Harness, RawClient, decoder_options, link, until
 
-from aiodatadist import BlocksCacheKey, LLMException, LLMRole, LLMStatusCode
-from aiodatadist.testing import cluster_info
+from aiodatadist import BlocksCacheKey, LLMException, LLMRole, LLMStatusCode, _native
+from aiodatadist._caches import CacheEntry
+from aiodatadist.transports.base import Call
+from aiodatadist.transports.shm import ShmPath
 
 PROMPT, DECODER, RAW = 41, 42, 43
 SEED = 17
@@ -52,10 +55,11 @@ def _same_sockets(fds: list[int], inodes: list[int]) -> list[str]:
 
 
 @pytest.mark.asyncio
-async def test_force_unlink_keeps_streams_open_until_the_mover_returns() -> None:
+async def test_link_closed_under_a_pull_keeps_its_streams_until_the_mover_returns() -> None:
     """A tcp pull is blocked in the native receiver (the prompt frozen mid-transfer) when
-    the link is force-unlinked: the receiver's sockets are shut down, not closed, so it
-    fails at once with the peer gone, and their fd numbers stay ours until it returned."""
+    the link closes (what the read loop does when the control connection breaks): the
+    receiver's sockets are shut down, not closed, so it fails at once, and their fd numbers
+    stay ours until it returned."""
     async with Harness() as h:
         prompt = await h.peer(cluster_id=PROMPT, data_path="tcp", seed=SEED, big_mib=64)
         dd, local = await h.local(DECODER, decoder_options("tcp"), big_mib=64)
@@ -88,9 +92,8 @@ async def test_force_unlink_keeps_streams_open_until_the_mover_returns() -> None
             inodes = [os.fstat(fd).st_ino for fd in fds]
             assert dd._executor.in_flight == 1 and not pull.done()
             started = loop.time()
-            status, _ = await dd.unlink_clusters([cluster_info(PROMPT)], 3000, force=True)
-            assert status == S.LLM_SUCCESS
-            # Files opened now would take any fd number the unlink freed.
+            await peer.close("control connection lost (test)")
+            # Files opened now would take any fd number the close freed.
             spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(len(fds) + 4)]
             try:
                 if dd._executor.in_flight:
@@ -100,7 +103,7 @@ async def test_force_unlink_keeps_streams_open_until_the_mover_returns() -> None
                     os.close(fd)
             with pytest.raises(LLMException) as ei:
                 await asyncio.wait_for(pull, 15)
-            # The receiver was woken by the shutdown, not by the pull's deadline.
+            # The receiver was woken at once, not by the pull's deadline.
             assert ei.value.status_code != S.LLM_TIMEOUT, ei.value
             assert loop.time() - started < 3.0
             # Once it returned, nothing is left open.
@@ -156,3 +159,70 @@ async def test_replaced_stream_is_not_closed_under_the_serving_job() -> None:
             assert loop.time() - started < 3.0
             assert entry.busy == 0 and sock.fileno() == -1
             assert peer._streams_in_use == {} and peer._streams_retired == set()
+
+
+class _GatedExecutor:
+    """Stands in for the transfer executor: runs each job only once ``gate`` is set, as a
+    busy worker thread would."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def run(self, job: Any, **_: Any) -> Any:
+        self.started.set()
+        await self.gate.wait()
+        return job(_native.Control())
+
+
+@pytest.mark.asyncio
+async def test_shm_close_waits_for_the_copy_that_uses_the_mapping() -> None:
+    """The link is closed (force unlink, finalize) while a copy out of the peer's mapped
+    segment is still queued or running: the segment stays mapped until the copy has
+    returned (unmapping it first would make the copy fault), and is unmapped then."""
+    tensor = 4 * 4096
+    name = f"/aiodd-test-{os.getpid()}-lifetime"
+    owner = _native.ShmSegment.create(name, tensor)
+    try:
+        data = np.random.default_rng(SEED).integers(0, 256, tensor, dtype=np.uint8)
+        np.frombuffer(owner, dtype=np.uint8)[:] = data
+        remote = CacheEntry(
+            cache_id=1,
+            num_tensors=1,
+            num_blocks=4,
+            block_bytes=4096,
+            is_blocks=True,
+            addrs=[1 << 40],
+            shm_name=name,
+            shm_size=tensor,
+            shm_offsets=[0],
+            local=False,
+        )
+        dst = np.zeros(tensor, dtype=np.uint8)
+        local = CacheEntry(
+            cache_id=2,
+            num_tensors=1,
+            num_blocks=4,
+            block_bytes=4096,
+            is_blocks=True,
+            addrs=[dst.ctypes.data],
+        )
+        plan = _native.Plan.blocks(
+            remote.geometry, local.geometry, [0, 1, 2, 3], [0, 1, 2, 3], 0, 0, 1
+        )
+        executor = _GatedExecutor()
+        path = ShmPath()
+        call = Call("pull_blocks", None, executor)  # type: ignore[arg-type]
+        pull = asyncio.ensure_future(path.pull(plan, remote, local, call))
+        await asyncio.wait_for(executor.started.wait(), 5)
+        mapped = list(path._maps.values())
+        assert len(mapped) == 1
+        path.close()  # the link goes away under the queued copy
+        path.forget(set(), busy=False)
+        assert not mapped[0].closed, "unmapped under a copy that still uses it"
+        executor.gate.set()
+        await asyncio.wait_for(pull, 5)
+        assert np.array_equal(dst, data)
+        assert mapped[0].closed and path._maps == {}
+    finally:
+        owner.close()
