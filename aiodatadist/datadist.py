@@ -228,14 +228,16 @@ class LLMDataDist:
             if _instances.get(self._cluster_id) is self:
                 del _instances[self._cluster_id]
             assert self._cache_manager is not None and self._executor is not None
-            await self._cache_manager._shutdown(self._options.finalize_timeout_ms / 1000)
+            bound = self._options.finalize_timeout_ms / 1000
+            await self._cache_manager._shutdown(bound)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + bound  # one bound for the links and the executor
             for link in list(self._registry):
-                await self._drop_link(link, notify=True)
+                await self._drop_link(link, deadline=deadline)
             if self._server is not None:
                 await self._server.close()
                 self._server = None
-            bound = self._options.finalize_timeout_ms / 1000
-            idle = await self._executor.aclose(bound)
+            idle = await self._executor.aclose(max(0.0, deadline - loop.time()))
             if self._callbacks is not None:
                 self._callbacks.shutdown(0)
                 self._callbacks = None
@@ -374,8 +376,17 @@ class LLMDataDist:
         await self._adopt_peer(peer)
         return LLMStatusCode.LLM_SUCCESS
 
-    async def _drop_link(self, link: Link, *, notify: bool) -> None:
-        """Closes a link at once (queued transfers then see LLM_NOT_YET_LINK)."""
+    async def _drop_link(
+        self, link: Link, *, deadline: float | None, slot_held: bool = False
+    ) -> None:
+        """Closes a link at once (queued transfers then see LLM_NOT_YET_LINK), and its
+        channel once the transfer in flight on it, if any, has returned.
+
+        The channel holds the peer's mapped segments and the data sockets a running
+        native job uses: it is closed only inside the link's slot. If the slot is not
+        free by ``deadline`` the channel is left open (leaked, with a warning) rather
+        than unmapped or closed under the job.
+        """
         self._registry.remove(link)
         if isinstance(link.channel, InprocChannel):
             peer = _instances.get(link.remote_cluster_id)
@@ -383,7 +394,20 @@ class LLMDataDist:
                 other = peer._registry.find(self._cluster_id)
                 if other is not None and other.slot is link.slot:
                     peer._registry.remove(other)
-        await link.channel.close()
+        if not slot_held:
+            try:
+                await link.slot.acquire(deadline, "unlink_clusters")
+            except LLMException:
+                log.warning(
+                    "the link to cluster %d still runs a transfer; its channel is left open",
+                    link.remote_cluster_id,
+                )
+                return
+        try:
+            await link.channel.close()
+        finally:
+            if not slot_held:
+                link.slot.release()
 
     @bridged
     async def unlink_clusters(
@@ -393,8 +417,9 @@ class LLMDataDist:
 
         Unlink takes its place in the link's FIFO: transfers queued before it finish,
         transfers queued after it fail with LLM_NOT_YET_LINK. ``force=True`` closes the
-        link at once without waiting for the slot (transfers in flight still finish
-        their native job first; they are not freed under it).
+        link to new and queued transfers at once, without waiting for its turn; the call
+        returns once the transfer in flight, if any, has returned (at most ``timeout``
+        ms), since its channel's memory and sockets are not closed under the native job.
 
         Returns LLM_NOT_YET_LINK for a cluster that is not linked, LLM_TIMEOUT when the
         link stayed busy past ``timeout`` ms.
@@ -414,13 +439,13 @@ class LLMDataDist:
         link = self._registry.find(remote_id)
         if link is None:
             return LLMStatusCode.LLM_NOT_YET_LINK
-        if force:
-            await self._drop_link(link, notify=False)
-            return LLMStatusCode.LLM_SUCCESS
         deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
+        if force:
+            await self._drop_link(link, deadline=deadline)
+            return LLMStatusCode.LLM_SUCCESS
         try:
             async with link.exclusive(deadline, "unlink_clusters"):
-                await self._drop_link(link, notify=True)
+                await self._drop_link(link, deadline=deadline, slot_held=True)
         except LLMException as e:
             return e.status_code
         return LLMStatusCode.LLM_SUCCESS

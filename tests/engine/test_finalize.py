@@ -150,6 +150,46 @@ async def test_finalize_bound_with_a_job_that_does_not_return(caplog) -> None:
                                       src.tensors[t][0:3].view(np.uint8))
 
 
+@pytest.mark.parametrize("how", ["finalize", "force-unlink"])
+async def test_the_channel_is_closed_only_after_the_job_in_flight_returned(how: str) -> None:
+    # A cross-process channel unmaps the peer's segments and closes the data sockets on
+    # close: doing that under a running mover reads unmapped memory or a reused fd.
+    async with inproc_pair(prompt_id=711, decoder_id=712) as pair:
+        src = pair.prompt_cache(seed=1, num_tensors=4, num_blocks=8, block_shape=BLOCK)
+        dst = pair.decoder_cache(num_tensors=4, num_blocks=8, block_shape=BLOCK)
+        channel = instrument(pair.decoder, 711)
+        gate = threading.Event()
+        channel.job_gate = gate
+        running_at_close: list[int] = []
+        real_close = channel.close
+
+        async def close() -> None:
+            running_at_close.append(channel.jobs_started - channel.jobs_returned)
+            await real_close()
+
+        channel.close = close  # type: ignore[method-assign]
+        pull = asyncio.create_task(pair.decoder.cache_manager.pull_blocks(
+            BlocksCacheKey(711, 0), dst.cache, [0, 1, 2], [5, 6, 7], timeout=30))
+        await wait_until(lambda: channel.jobs_started == 1, what="the job to start")
+        if how == "finalize":
+            op = asyncio.create_task(pair.decoder.finalize())
+        else:
+            op = asyncio.create_task(
+                pair.decoder.unlink_clusters([cluster_info(711)], force=True))
+        try:
+            await asyncio.sleep(0.05)
+            assert pair.decoder.links == []  # closed to new work at once
+            assert running_at_close == []
+        finally:
+            gate.set()
+        await asyncio.wait_for(op, 10)
+        assert running_at_close == [0]
+        assert await _outcome(pull) == "completed"
+        for t in range(4):
+            assert np.array_equal(dst.tensors[t][5:8].view(np.uint8),
+                                  src.tensors[t][0:3].view(np.uint8))
+
+
 class _Blocking(LayerSynchronizer):
     def __init__(self, release: threading.Event) -> None:
         self.release = release
