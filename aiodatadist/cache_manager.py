@@ -58,7 +58,6 @@ log = logging.getLogger("aiodatadist.cache_manager")
 _cache_ids = itertools.count(1)  # upstream: int64 ids starting at 1, per process
 _shm_ids = itertools.count(1)
 _TENSOR_ALIGN = 4096
-_MAX_CLUSTERS_PER_CALL = 16
 
 
 def _err(api: str, code: LLMStatusCode, info: str) -> LLMException:
