@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _native, _wire
 from ._caches import CacheEntry, CacheTable
-from .errors import LLMException, LLMStatusCode, format_error, from_native
+from .errors import LLMException, LLMStatusCode, format_error, from_native, to_status_code
 
 if TYPE_CHECKING:
     from .datadist import LLMDataDist
@@ -77,6 +77,14 @@ def host_identity() -> str:
         boot = "?"
     parts = [socket.gethostname(), boot] + [_ns_inode(n) for n in ("pid", "ipc", "mnt", "net")]
     return "/".join(parts)[:256]
+
+
+def _refused(api: str, body: dict[str, Any]) -> LLMException:
+    """A server's REFUSE: its status, but never success, and LLM_FAILED for one it made up."""
+    code = to_status_code(int(body["status"]))
+    if code == LLMStatusCode.LLM_SUCCESS:
+        code = LLMStatusCode.LLM_LINK_FAILED
+    return _link_error(api, f"refused: {body['reason']}", code)
 
 
 def _link_error(
@@ -554,9 +562,7 @@ async def connect(
             )
             msg = await _wire.read_message(reader, timeout=None)
             if msg.type == _wire.MsgType.REFUSE:
-                raise _link_error(
-                    api, f"refused: {msg.body['reason']}", LLMStatusCode(int(msg.body["status"]))
-                )
+                raise _refused(api, msg.body)
             if msg.type != _wire.MsgType.CHALLENGE:
                 raise _link_error(api, f"unexpected {msg.type!r} during the handshake")
             server_id = int(msg.body["cluster_id"])
@@ -571,9 +577,7 @@ async def connect(
             await _wire.write_message(writer, _wire.MsgType.AUTH, {"mac": mac})
             msg = await _wire.read_message(reader, timeout=None)
             if msg.type == _wire.MsgType.REFUSE:
-                raise _link_error(
-                    api, f"refused: {msg.body['reason']}", LLMStatusCode(int(msg.body["status"]))
-                )
+                raise _refused(api, msg.body)
             if msg.type != _wire.MsgType.WELCOME:
                 raise _link_error(api, f"unexpected {msg.type!r} during the handshake")
             w = msg.body
@@ -613,6 +617,8 @@ async def connect(
                 await peer.connect_streams(1, deadline)
         ok = True
         return peer
+    except LLMException:
+        raise  # already says why (a refusal keeps the server's status)
     except TimeoutError as e:
         raise _link_error(api, f"handshake with {host}:{port} timed out") from e
     except (_wire.WireError, OSError) as e:
