@@ -17,7 +17,7 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from .. import _native, _wire
-from ..errors import LLMException, LLMStatusCode, format_error
+from ..errors import LLMException, LLMStatusCode, format_error, to_status_code
 from .base import Call
 
 if TYPE_CHECKING:
@@ -25,6 +25,14 @@ if TYPE_CHECKING:
     from .._control import Peer
 
 __all__ = ["TcpPath"]
+
+
+def _peer_failure(api: str, reply: dict[str, Any]) -> LLMException:
+    """The peer's DONE failure as an LLMException (a status it made up: LLM_FAILED)."""
+    code = to_status_code(int(reply["status"]))
+    if code == LLMStatusCode.LLM_SUCCESS:
+        code = LLMStatusCode.LLM_FAILED
+    return LLMException(format_error(api, code, f"peer: {reply['info']}"), status_code=code)
 
 
 class TcpPath:
@@ -129,21 +137,22 @@ class TcpPath:
                         ),
                         status_code=LLMStatusCode.LLM_TIMEOUT,
                     ) from None
-                status = int(reply["status"])
-                if status != 0:
-                    raise LLMException(
-                        format_error(call.api, LLMStatusCode(status), f"peer: {reply['info']}"),
-                        status_code=status,
-                    )
+                if int(reply["status"]) != 0:
+                    raise _peer_failure(call.api, reply)
                 clean = True
-            except BaseException:
+            except BaseException as exc:
                 ctl.abort()
                 await quiesce(job)
+                refusal = None
                 if done.done() and not done.cancelled():
-                    done.exception()
+                    if done.exception() is None and int(done.result()["status"]) != 0:
+                        refusal = done.result()
                 else:
                     done.cancel()
-                # A reply that says why beats our local symptom (e.g. the peer's refusal).
+                # A reply that says why beats our local symptom (e.g. the peer's refusal
+                # made us abort the mover, which alone would read as a timeout).
+                if refusal is not None and isinstance(exc, LLMException):
+                    raise _peer_failure(call.api, refusal) from exc
                 raise
         finally:
             peer.release_streams(held)

@@ -14,11 +14,12 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 import pytest
 
-from aiodatadist import LLMDataDist, LLMRole, LLMStatusCode
+from aiodatadist import BlocksCacheKey, LLMDataDist, LLMException, LLMRole, LLMStatusCode
 from aiodatadist import _wire as w
-from aiodatadist.testing import cluster_info
+from aiodatadist.testing import cluster_info, make_blocks_cache
 
 S = LLMStatusCode
 SERVER, CLIENT = 71, 72
@@ -138,3 +139,34 @@ async def test_refuse_status_from_the_server(refused_with: int, expected: S) -> 
         assert list(statuses) == [expected]
         assert status != S.LLM_SUCCESS
         assert dd.links == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("done_status", "expected"),
+    [
+        (int(S.LLM_KV_CACHE_NOT_EXIST), S.LLM_KV_CACHE_NOT_EXIST),
+        (int(S.LLM_PARAM_INVALID), S.LLM_PARAM_INVALID),
+        (12345, S.LLM_FAILED),
+    ],
+)
+async def test_done_status_from_the_server(done_status: int, expected: S) -> None:
+    """The server refuses the pull (DONE with a failure) and sends no byte: the pull fails
+    at once with the server's status, not with the receiver's abort (LLM_TIMEOUT)."""
+    fake = FakeServer(done_status=done_status)
+    async with serving(fake) as port, client() as dd:
+        status, _ = await dd.link_clusters([cluster_info(SERVER, "127.0.0.1", port)], 3000)
+        assert status == S.LLM_SUCCESS
+        filled = make_blocks_cache(dd, num_tensors=2, num_blocks=NUM_BLOCKS)  # 4 KiB blocks
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(LLMException) as ei:
+            await asyncio.wait_for(
+                dd.cache_manager.pull_blocks(
+                    BlocksCacheKey(SERVER, 0), filled.cache, [0, 1], [2, 3], timeout=5
+                ),
+                10,
+            )
+        assert ei.value.status_code == expected, ei.value
+        assert loop.time() - started < 2.5
+        assert not any(np.any(t) for t in filled.tensors)
