@@ -314,10 +314,10 @@ class Peer:
                     LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                 )
             segs = _wire.segments_from_bytes(msg.binary)
-            geo = _native.Geometry(
-                *(int(x) for x in body["dst_geometry" if pull else "src_geometry"])
-            )
             try:
+                geo = _native.Geometry(
+                    *(int(x) for x in body["dst_geometry" if pull else "src_geometry"])
+                )
                 # Every segment is checked against *our* registered geometry: a peer can
                 # never make us read or write outside registered memory.
                 if pull:

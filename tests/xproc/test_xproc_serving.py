@@ -152,6 +152,27 @@ async def test_hostile_push_is_refused_and_memory_untouched() -> None:
 
 
 @pytest.mark.asyncio
+async def test_impossible_peer_geometry_is_answered() -> None:
+    """A PULL whose destination geometry the native core refuses (tensor size past
+    2**62 bytes) gets DONE LLM_PARAM_INVALID; the requester is not left waiting for a
+    DONE that never comes."""
+    async with Harness() as h:
+        prompt = await h.peer(cluster_id=PROMPT, data_path="tcp", tcp_streams=1, seed=SEED)
+        reg = prompt.cache_id("reg")
+        async with RawClient(prompt.host, prompt.port) as raw:
+            await raw.handshake(RAW)
+            stream = await raw.open_stream(0)
+            await raw.pull(1, reg, [(0, 0, 0, 0, UNIT)], dst_geometry=(1, 1 << 40, 1 << 40))
+            done = await raw.done(3)
+            assert done["req"] == 1 and done["status"] == S.LLM_PARAM_INVALID, done
+            assert await nothing_arrives(stream, 0.05) == 0
+            # The link still serves.
+            await raw.pull(2, reg, [(1, UNIT, 0, 0, UNIT)])
+            await recv_exact(stream, UNIT)
+            assert (await raw.done())["status"] == 0
+
+
+@pytest.mark.asyncio
 async def test_request_past_its_deadline_is_dropped() -> None:
     """Requests are served one at a time; one that waited past its deadline is dropped."""
     async with Harness() as h:
