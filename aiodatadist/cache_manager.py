@@ -1232,6 +1232,10 @@ class CacheManager:
                 log.warning(
                     "finalize: cache %d still in use by a transfer; not freed", entry.cache_id
                 )
+                # The mapping stays (the job writes into it); only the name goes, so
+                # nothing is left behind in /dev/shm when this process exits.
+                if entry.segment is not None:
+                    entry.segment.unlink()
                 continue
             entry.freed = True
             if entry.segment is not None:
