@@ -167,8 +167,11 @@ class LLMDataDist:
                 try:
                     self._server = await self._start_server(opts)
                 except BaseException:
+                    # A failed init leaves the instance as it was: not initialized, no loop.
                     self._executor.shutdown(0)
                     self._executor = None
+                    self._cache_manager = None
+                    self._loop = None
                     raise
             self._initialized = True
             _instances[self._cluster_id] = self

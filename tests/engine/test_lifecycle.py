@@ -3,6 +3,7 @@ cluster ids, several instances in one process, option errors, link/unlink in-pro
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import numpy as np
@@ -255,3 +256,26 @@ async def test_finalize_unlinks_the_peer() -> None:
         with pytest.raises(LLMLinkError):
             await pair.decoder.cache_manager.pull_blocks(pair.key(), dst.cache, [0], [0])
         del src
+
+
+async def test_failed_init_leaves_the_instance_as_it_was() -> None:
+    # A listen address that is taken: init fails, and the instance is still a clean,
+    # uninitialized one that a later init (on a free port) brings up normally.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        dd = LLMDataDist(LLMRole.PROMPT, 931)
+        with pytest.raises(LLMException) as info:
+            await dd.init({"llm.listenIpInfo": f"127.0.0.1:{port}"})
+        assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        assert not dd.is_initialized
+        assert dd._home_loop() is None
+        with pytest.raises(RuntimeError, match="not initialized"):
+            _ = dd.cache_manager
+        await dd.finalize()  # a no-op, from any loop
+    await dd.init({"llm.listenIpInfo": "127.0.0.1:0"})
+    try:
+        assert dd.listen_address is not None
+    finally:
+        await dd.finalize()
