@@ -235,8 +235,8 @@ class Peer:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pongs[t] = fut
         try:
-            await self.send(_wire.MsgType.PING, {"t": t})
             async with asyncio.timeout_at(deadline):
+                await self.send(_wire.MsgType.PING, {"t": t})
                 await fut
         except TimeoutError:
             pass
@@ -305,6 +305,9 @@ class Peer:
         status, info = LLMStatusCode.LLM_SUCCESS, ""
         peer_dir = 1 - self.my_direction
         entry: CacheEntry | None = None
+        # The streams this job used: a failure retires just these (the requester may
+        # already have connected their replacements).
+        held: list[socket.socket] = []
         try:
             entry = self.dd.cache_manager.table.by_id(int(body["cache_id"]))
             if entry is None:
@@ -340,7 +343,7 @@ class Peer:
             entry.hold(api)
             try:
                 executor = self.dd._executor_or_raise()
-                held = [s for s in socks if s is not None]
+                held[:] = [s for s in socks if s is not None]
                 fds = self.hold_streams(held)
                 try:
                     if pull:
@@ -355,14 +358,14 @@ class Peer:
                 entry.release()
         except TimeoutError as e:
             status, info = LLMStatusCode.LLM_TIMEOUT, str(e) or "deadline passed"
-            self._drop_streams(peer_dir)
+            self._drop_streams(peer_dir, only=held)
         except LLMException as e:
             status, info = e.status_code, str(e)
             if status not in (
                 LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                 LLMStatusCode.LLM_PARAM_INVALID,
             ):
-                self._drop_streams(peer_dir)
+                self._drop_streams(peer_dir, only=held)
         except _wire.WireError as e:
             status, info = LLMStatusCode.LLM_PARAM_INVALID, str(e)
         with contextlib.suppress(LLMException):
@@ -370,12 +373,17 @@ class Peer:
                 _wire.MsgType.DONE, {"req": req, "status": int(status), "info": info[:1000]}
             )
 
-    def _drop_streams(self, direction: int) -> None:
-        self.streams_ready[direction].clear()
+    def _drop_streams(self, direction: int, only: list[socket.socket] | None = None) -> None:
+        """Drops the data streams of ``direction`` (with ``only``: just those sockets, if
+        they are still in place: the client may already have replaced them)."""
         for i, s in enumerate(self.streams[direction]):
-            if s is not None:
-                self._close_stream(s)
+            if s is None or (only is not None and s not in only):
+                continue
+            self.streams_ready[direction].clear()
+            self._close_stream(s)
             self.streams[direction][i] = None
+        if only is None:
+            self.streams_ready[direction].clear()
 
     def _close_stream(self, s: socket.socket) -> None:
         """Closes a data stream, or, while a native job uses it, shuts it down (which ends
