@@ -110,7 +110,21 @@ class TcpPath:
             # a close meanwhile (link dropped, streams replaced) must not free the fd numbers.
             fds = peer.hold_streams(socks)
             held = socks
-            _, done = await peer.request(msg_type, body, _wire.segments_to_bytes(plan.segments()))
+            try:
+                # A peer that stopped reading must not hold us past the deadline in drain().
+                async with asyncio.timeout_at(call.deadline):
+                    _, done = await peer.request(
+                        msg_type, body, _wire.segments_to_bytes(plan.segments())
+                    )
+            except TimeoutError:
+                raise LLMException(
+                    format_error(
+                        call.api,
+                        LLMStatusCode.LLM_TIMEOUT,
+                        "deadline passed while sending the request (the peer is not reading)",
+                    ),
+                    status_code=LLMStatusCode.LLM_TIMEOUT,
+                ) from None
             ctl = _native.Control()
             job = loop.create_task(
                 call.executor.run(
