@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import itertools
 import logging
 import os
@@ -87,6 +88,60 @@ def _refused(api: str, body: dict[str, Any]) -> LLMException:
     return _link_error(api, f"refused: {body['reason']}", code)
 
 
+def _proc_addr(field: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    """``/proc/net/tcp*`` address ``HEX_IP:HEX_PORT`` (the IP in 32-bit host-order words)."""
+    hex_ip, hex_port = field.split(":")
+    raw = bytes.fromhex(hex_ip)
+    ip = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return ipaddress.ip_address(ip), int(hex_port, 16)
+
+
+def _socket_inode(local: tuple[str, int], remote: tuple[str, int]) -> int | None:
+    """The inode of this namespace's TCP socket with that local and remote end."""
+    want = (
+        (ipaddress.ip_address(local[0]), local[1]),
+        (ipaddress.ip_address(remote[0]), remote[1]),
+    )
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            with contextlib.suppress(ValueError, IndexError):
+                if (_proc_addr(parts[1]), _proc_addr(parts[2])) == want:
+                    return int(parts[9])
+    return None
+
+
+def peer_owns_connection(pid: int, writer: asyncio.StreamWriter) -> bool:
+    """Whether process ``pid`` holds the other end of this control connection.
+
+    The one-sided paths (shm, cma) act on the process and segments the peer names: a
+    peer claiming someone else's pid could make us read or write that process's memory.
+    Checked once per link through /proc; False when it cannot be checked.
+    """
+    sock = writer.get_extra_info("socket")
+    try:
+        ours, theirs = sock.getsockname()[:2], sock.getpeername()[:2]
+    except (OSError, AttributeError):
+        return False
+    inode = _socket_inode(local=theirs, remote=ours)
+    if inode is None:
+        return False
+    target = f"socket:[{inode}]"
+    try:
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{name}") == target:
+                    return True
+    except OSError:
+        return False
+    return False
+
+
 def _link_error(
     api: str, info: str, code: LLMStatusCode = LLMStatusCode.LLM_LINK_FAILED
 ) -> LLMException:
@@ -143,7 +198,18 @@ class Peer:
         self.link_token = link_token
         self.table = table
         self.endpoint = endpoint
-        self.same_host = info.host_id == host_identity()
+        # Same host, and the pid the peer gave really holds the other end of this
+        # connection: only then may the one-sided paths act on that process.
+        self.same_host = info.host_id == host_identity() and peer_owns_connection(
+            info.pid, writer
+        )
+        if info.host_id == host_identity() and not self.same_host:
+            log.warning(
+                "cluster %d claims pid %d on this host, which does not hold its connection: "
+                "using tcp only",
+                info.cluster_id,
+                info.pid,
+            )
         self.n_streams = max(1, min(_STREAM_SLOTS, dd.options.tcp_streams))
         # streams[0]: client-initiated transfers; streams[1]: server-initiated.
         # The client opens its own TcpStreams per direction; the server takes what comes.

@@ -30,7 +30,7 @@ class RemoteChannel(Channel):
         self.peer = peer
         self.forced = forced
         peer_paths = set(peer.info.data_paths)
-        self.shm = ShmPath() if peer.same_host and "shm" in peer_paths else None
+        self.shm = ShmPath(peer.info.pid) if peer.same_host and "shm" in peer_paths else None
         cma = CmaPath(peer.info.pid) if peer.same_host and "cma" in peer_paths else None
         self.cma = cma if cma is not None and cma.allowed else None
         self.cma_refused_errno = cma.errno if cma is not None and not cma.allowed else 0

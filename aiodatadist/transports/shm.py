@@ -26,7 +26,10 @@ class ShmPath:
 
     name = "shm"
 
-    def __init__(self) -> None:
+    def __init__(self, pid: int) -> None:
+        # Segments are named after the process that made them (``/aiodd-<pid>-...``): the
+        # peer may only have us map its own, never another process's.
+        self._prefix = f"/aiodd-{pid}-"
         self._maps: dict[tuple[str, bool], _native.ShmSegment] = {}
         # Copies running on the executor with addresses inside the mappings, and whether
         # close() came meanwhile: unmapping under a running copy would crash the process.
@@ -46,6 +49,16 @@ class ShmPath:
                     f"remote cache {remote.cache_id} is not in shared memory",
                 ),
                 status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            )
+        if not remote.shm_name.startswith(self._prefix):
+            raise LLMException(
+                format_error(
+                    api,
+                    LLMStatusCode.LLM_PARAM_INVALID,
+                    f"remote cache {remote.cache_id} names segment {remote.shm_name!r}, "
+                    "which is not the peer's",
+                ),
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
             )
         key = (remote.shm_name, writable)
         seg = self._maps.get(key)

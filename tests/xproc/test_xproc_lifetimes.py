@@ -181,7 +181,7 @@ async def test_shm_close_waits_for_the_copy_that_uses_the_mapping() -> None:
     segment is still queued or running: the segment stays mapped until the copy has
     returned (unmapping it first would make the copy fault), and is unmapped then."""
     tensor = 4 * 4096
-    name = f"/aiodd-test-{os.getpid()}-lifetime"
+    name = f"/aiodd-{os.getpid()}-test-lifetime"  # segments are named after their maker
     owner = _native.ShmSegment.create(name, tensor)
     try:
         data = np.random.default_rng(SEED).integers(0, 256, tensor, dtype=np.uint8)
@@ -211,7 +211,7 @@ async def test_shm_close_waits_for_the_copy_that_uses_the_mapping() -> None:
             remote.geometry, local.geometry, [0, 1, 2, 3], [0, 1, 2, 3], 0, 0, 1
         )
         executor = _GatedExecutor()
-        path = ShmPath()
+        path = ShmPath(os.getpid())
         call = Call("pull_blocks", None, executor)  # type: ignore[arg-type]
         pull = asyncio.ensure_future(path.pull(plan, remote, local, call))
         await asyncio.wait_for(executor.started.wait(), 5)
