@@ -50,6 +50,7 @@ __all__ = ["ControlServer", "Peer", "connect", "host_identity"]
 log = logging.getLogger("aiodatadist.control")
 
 HANDSHAKE_TIMEOUT = 10.0
+MAX_QUEUED_REQUESTS = 8
 _ACK = b"\x01"
 _req_ids = itertools.count(1)
 # DATA_HELLO.stream = direction * _STREAM_SLOTS + i: the layout does not depend on
@@ -225,7 +226,11 @@ class Peer:
         self._pongs: dict[int, asyncio.Future[None]] = {}
         self._send_lock = asyncio.Lock()
         # (request, loop time it arrived): its deadline counts from arrival, queueing included.
-        self._requests: asyncio.Queue[tuple[_wire.Message, float]] = asyncio.Queue()
+        # A well-behaved peer has at most one request in flight per direction (its link
+        # slot orders them); a full queue stops reading from a peer that floods us.
+        self._requests: asyncio.Queue[tuple[_wire.Message, float]] = asyncio.Queue(
+            maxsize=MAX_QUEUED_REQUESTS
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self.closed = asyncio.Event()
         self.on_close: Callable[[Peer], Awaitable[None]] | None = None
@@ -320,7 +325,7 @@ class Peer:
                     if fut is not None and not fut.done():
                         fut.set_result(msg.body)
                 elif t in (_wire.MsgType.PULL, _wire.MsgType.PUSH):
-                    self._requests.put_nowait((msg, asyncio.get_running_loop().time()))
+                    await self._requests.put((msg, asyncio.get_running_loop().time()))
                 elif t == _wire.MsgType.TABLE:
                     self._apply_table(msg.body["table"])
                 elif t == _wire.MsgType.PING:
