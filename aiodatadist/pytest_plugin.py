@@ -35,7 +35,8 @@ Marker keywords (``@pytest.mark.datadist(...)``):
 
 * ``data_path``: ``auto``, ``inproc``, ``shm``, ``cma`` or ``tcp`` (default ``auto``);
 * ``cross_process``: the prompt in a subprocess (default False for ``datadist_pair``);
-* ``faults``: link a cross-process pair through a fault injector (default True);
+* ``faults``: link a cross-process pair through a fault injector (default True); its
+  proxy leaves only ``tcp`` for transfers (``shm``/``cma`` need a direct link);
 * ``spec``: the prompt's :class:`aiodatadist.testing.PromptSpec` (or a dict of its fields);
 * ``options`` / ``prompt_options``: extra ``init`` options of the decoder / prompt;
 * ``prompt_id`` / ``decoder_id``: cluster ids (default 1 and 2).

@@ -723,9 +723,11 @@ class FaultInjector:
     * :meth:`drop`: abort every proxied connection (the link breaks: ``LLMException``);
     * :meth:`kill_peer`: SIGKILL the prompt process, when it was given one.
 
-    Only bytes that travel over sockets are affected: with the ``shm`` and ``cma`` data
-    paths a pull reads the prompt's memory directly, so a pause stalls only the control
-    plane (linking, table updates); force ``aiodatadist.DataPath=tcp`` to stall transfers.
+    Through the proxy the prompt's pid does not hold the decoder's connection, so the
+    one-sided paths (``shm``, ``cma``) are refused on such a link and every transfer
+    goes over ``tcp`` (the bytes the injector can stall). To test a one-sided path's
+    error handling, link directly (``remote_pair(faults=False)``) and kill the peer
+    with ``pair.prompt.kill()``.
 
     It lives on the event loop that calls :meth:`start`; use it as ``async with``.
 

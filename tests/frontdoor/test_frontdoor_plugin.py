@@ -158,13 +158,18 @@ async def test_drop_fails_a_pull_in_flight_fast(datadist_remote_pair: RemotePair
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("datadist_remote_pair", [{"data_path": "tcp"}, {"data_path": "cma"}],
+# cma needs a direct link: through the injector's proxy the peer's pid does not hold the
+# connection, and the one-sided paths are refused (only tcp carries transfers there).
+@pytest.mark.parametrize("datadist_remote_pair",
+                         [{"data_path": "tcp"}, {"data_path": "cma", "faults": False}],
                          indirect=True)  # fmt: skip
 async def test_kill_peer_raises_within_the_deadline(datadist_remote_pair: RemotePair) -> None:
     pair = datadist_remote_pair
-    assert pair.faults is not None
     await _pull_remote(pair, [3], [3])
-    pair.faults.kill_peer()
+    if pair.faults is not None:
+        pair.faults.kill_peer()
+    else:
+        pair.prompt.kill()
     assert await pair.prompt.wait_exit(10) == -9
     loop = asyncio.get_running_loop()
     t0 = loop.time()
