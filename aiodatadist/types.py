@@ -528,7 +528,25 @@ def _pick_cluster_id(owner: str, prompt_cluster_id: int | None, cluster_id: int 
     return check_uint(name, value, 64)
 
 
-class CacheKey:
+class _ValueKey:
+    """Keys are immutable values: equal when of one type with equal fields, hashable."""
+
+    __slots__ = ()
+
+    def _key(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        assert isinstance(other, _ValueKey)
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash((type(self), *self._key()))
+
+
+class CacheKey(_ValueKey):
     """Key of one batch row of a non-block cache, by request id (or prefix id).
 
     Args:
@@ -590,14 +608,6 @@ class CacheKey:
     def _key(self) -> tuple[int, int, int, int]:
         return (self._cluster_id, self._req_id, self._model_id, self._prefix_id)
 
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not CacheKey:
-            return NotImplemented
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash((CacheKey, *self._key()))
-
     def __repr__(self) -> str:
         return (
             f"CacheKey(cluster_id={self._cluster_id}, req_id={self._req_id}, "
@@ -605,7 +615,7 @@ class CacheKey:
         )
 
 
-class CacheKeyByIdAndIndex:
+class CacheKeyByIdAndIndex(_ValueKey):
     """Key of one batch row of a remote cache, by the remote cache id.
 
     Args:
@@ -648,14 +658,6 @@ class CacheKeyByIdAndIndex:
     def _key(self) -> tuple[int, int, int]:
         return (self._cluster_id, self._cache_id, self._batch_index)
 
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not CacheKeyByIdAndIndex:
-            return NotImplemented
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash((CacheKeyByIdAndIndex, *self._key()))
-
     def __repr__(self) -> str:
         return (
             f"CacheKeyByIdAndIndex(cluster_id={self._cluster_id}, cache_id={self._cache_id}, "
@@ -663,7 +665,7 @@ class CacheKeyByIdAndIndex:
         )
 
 
-class BlocksCacheKey:
+class BlocksCacheKey(_ValueKey):
     """Key of a whole blocks cache on a cluster, by model id.
 
     One blocks cache per ``model_id`` per process can be registered under a
@@ -708,13 +710,8 @@ class BlocksCacheKey:
         """Model id."""
         return self._model_id
 
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not BlocksCacheKey:
-            return NotImplemented
-        return (self._cluster_id, self._model_id) == (other._cluster_id, other._model_id)
-
-    def __hash__(self) -> int:
-        return hash((BlocksCacheKey, self._cluster_id, self._model_id))
+    def _key(self) -> tuple[int, int]:
+        return (self._cluster_id, self._model_id)
 
     def __repr__(self) -> str:
         return f"BlocksCacheKey(cluster_id={self._cluster_id}, model_id={self._model_id})"
