@@ -10,7 +10,14 @@ import time
 import numpy as np
 import pytest
 import xproc_common as xc
-from xproc_harness import Harness, decoder_options, link, pull_and_check, until
+from xproc_harness import (
+    Harness,
+    decoder_options,
+    link,
+    pull_and_check,
+    stop_when_bytes_land,
+    until,
+)
 
 from aiodatadist import (
     BlocksCacheKey,
@@ -33,17 +40,6 @@ class _Always(LayerSynchronizer):
         return True
 
 
-def _freeze_when_bytes_land(view: np.ndarray, pid: int, out: dict[str, float]) -> None:
-    """Stops ``pid`` (SIGSTOP) the moment the first pulled byte lands in ``view``."""
-    end = time.monotonic() + 5
-    while view[0] == 0 and time.monotonic() < end:
-        pass
-    import os
-
-    os.kill(pid, signal.SIGSTOP)
-    out["stopped"] = time.monotonic()
-
-
 @pytest.mark.asyncio
 async def test_peer_killed_mid_pull_then_relink_to_restarted_peer() -> None:
     """SIGKILL of the prompt while a big tcp pull is half done: LLMException within the
@@ -56,7 +52,7 @@ async def test_peer_killed_mid_pull_then_relink_to_restarted_peer() -> None:
         nblocks = big.spec.shape[0]
         stamps: dict[str, float] = {}
         watcher = threading.Thread(
-            target=_freeze_when_bytes_land, args=(big.views[0], prompt.pid, stamps), daemon=True
+            target=stop_when_bytes_land, args=(big.views[0], prompt.pid, stamps), daemon=True
         )
         watcher.start()
         loop = asyncio.get_running_loop()

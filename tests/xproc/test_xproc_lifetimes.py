@@ -14,13 +14,19 @@ import asyncio
 import os
 import signal
 import threading
-import time
 from typing import Any
 
 import numpy as np
 import pytest
 import xproc_common as xc
-from xproc_harness import Harness, RawClient, decoder_options, link, until
+from xproc_harness import (
+    Harness,
+    RawClient,
+    decoder_options,
+    link,
+    stop_when_bytes_land,
+    until,
+)
 
 from aiodatadist import BlocksCacheKey, LLMException, LLMRole, LLMStatusCode, _native
 from aiodatadist._caches import CacheEntry
@@ -30,14 +36,6 @@ from aiodatadist.transports.shm import ShmPath
 PROMPT, DECODER, RAW = 41, 42, 43
 SEED = 17
 S = LLMStatusCode
-
-
-def _stop_when_bytes_land(view: np.ndarray, pid: int, out: dict[str, float]) -> None:
-    end = time.monotonic() + 5
-    while view[0] == 0 and time.monotonic() < end:
-        pass
-    os.kill(pid, signal.SIGSTOP)
-    out["stopped"] = time.monotonic()
 
 
 def _same_sockets(fds: list[int], inodes: list[int]) -> list[str]:
@@ -71,7 +69,7 @@ async def test_link_closed_under_a_pull_keeps_its_streams_until_the_mover_return
         nblocks = big.spec.shape[0]
         stamps: dict[str, float] = {}
         watcher = threading.Thread(
-            target=_stop_when_bytes_land, args=(big.views[0], prompt.pid, stamps), daemon=True
+            target=stop_when_bytes_land, args=(big.views[0], prompt.pid, stamps), daemon=True
         )
         watcher.start()
         loop = asyncio.get_running_loop()

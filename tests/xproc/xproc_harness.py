@@ -450,3 +450,15 @@ async def nothing_arrives(sock: socket.socket, wait: float = 0.2) -> int:
     except BlockingIOError:
         return 0
     return len(data) if data else 0
+
+
+def stop_when_bytes_land(view: np.ndarray, pid: int, out: dict[str, float]) -> None:
+    """Stops ``pid`` (SIGSTOP) the moment the first pulled byte lands in ``view``.
+
+    Runs on a watcher thread: it spins (bounded, 5 s) so the stop comes mid-transfer.
+    """
+    end = time.monotonic() + 5
+    while view[0] == 0 and time.monotonic() < end:
+        pass
+    os.kill(pid, signal.SIGSTOP)
+    out["stopped"] = time.monotonic()
