@@ -2,7 +2,8 @@
 
 A :class:`CacheEntry` describes one registered or allocated cache: its
 geometry (tensors x blocks x block bytes), tensor addresses, the keys that
-name it, and, for allocated caches, the shared-memory segment that holds it.
+name it, for allocated caches the shared-memory (memfd) segment that holds it,
+and the lease one-sided peers copy under.
 The same class describes a peer's cache seen over a link (then ``local`` is
 False and the addresses are in the peer's address space).
 
@@ -14,7 +15,7 @@ indexed by ``(req_id or prefix_id, model_id)``; every cache by ``cache_id``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,9 @@ class CacheEntry:
     shm_name: str | None = None
     shm_size: int = 0
     shm_offsets: list[int] = field(default_factory=list)
+    # (slot, generation) of the lease one-sided peers copy under (see _leases.py);
+    # None: no lease, so no one-sided access (a peer uses tcp).
+    lease: tuple[int, int] | None = None
     local: bool = True
     # Local-only state.
     cache: KvCache | None = None
@@ -142,6 +146,7 @@ class CacheEntry:
             "shm_name": self.shm_name,
             "shm_size": self.shm_size,
             "shm_offsets": list(self.shm_offsets),
+            "lease": None if self.lease is None else list(self.lease),
         }
 
     @classmethod
@@ -161,6 +166,7 @@ class CacheEntry:
             shm_name=d["shm_name"],
             shm_size=int(d["shm_size"]),
             shm_offsets=[int(o) for o in d["shm_offsets"]],
+            lease=None if d.get("lease") is None else (int(d["lease"][0]), int(d["lease"][1])),
             local=False,
         )
 
@@ -173,6 +179,9 @@ class CacheTable:
         self._blocks: dict[int, CacheEntry] = {}
         self._rows: dict[RowKey, tuple[CacheEntry, int]] = {}
         self.version = 0  # bumped on every change; peers compare it
+        # Called after replace_with (a peer's table update arrived): lets the link let go
+        # of what the peer no longer lists (fds of freed segments).
+        self.on_replace: Callable[[], None] | None = None
 
     def __iter__(self) -> Iterator[CacheEntry]:
         return iter(list(self._by_id.values()))
@@ -195,6 +204,8 @@ class CacheTable:
         self._blocks = other._blocks
         self._rows = other._rows
         self.version += 1
+        if self.on_replace is not None:
+            self.on_replace()
 
     def clear(self) -> None:
         self.replace_with(CacheTable())

@@ -161,7 +161,7 @@ def probe_inproc() -> PathReport:
 
 
 def probe_shm() -> PathReport:
-    """Creates a segment here, has a child map it read-only and read it back."""
+    """Creates a (memfd) segment here, has a child map it read-only and read it back."""
     from . import _native
 
     name = f"/aiodd-doctor-{os.getpid()}"
@@ -176,21 +176,23 @@ def probe_shm() -> PathReport:
     stale = _stale_segments()
     if stale:
         notes.append(
-            f"{len(stale)} segment(s) of dead processes left in /dev/shm "
+            f"{len(stale)} segment(s) of dead processes (older aiodatadist) left in /dev/shm "
             f"({_fmt_bytes(sum(s for _, s in stale))}), e.g. {stale[0][0]}: remove them"
         )
     try:
         seg = _native.ShmSegment.create(name, 4096)
     except _native.NativeError as e:
-        return PathReport("shm", False, f"shm_open/mmap failed: {e}", notes)
+        return PathReport("shm", False, f"memfd_create/mmap failed: {e}", notes)
     try:
         memoryview(seg)[:8] = b"aiodatad"
         code = (
-            "import sys; from aiodatadist import _native; "
-            "s = _native.ShmSegment.open(sys.argv[1], 4096, False); "
+            "import os, sys; from aiodatadist import _native; "
+            "fd = os.open(sys.argv[1], os.O_RDONLY); "
+            "s = _native.ShmSegment.from_fd(fd, 4096, False); os.close(fd); "
             "print(bytes(memoryview(s)[:8]).decode()); s.close()"
         )
-        proc = _child(code, name)
+        # The library passes the fd over a Unix socket; the child reopens it through /proc.
+        proc = _child(code, f"/proc/{os.getpid()}/fd/{seg.fd}")
         out, err = _finish(proc)
         if proc.returncode != 0 or out.strip() != "aiodatad":
             last = (err.strip().splitlines() or ["no output"])[-1]

@@ -18,10 +18,26 @@ handshake both sides are symmetric: either may send PULL / PUSH requests (the
 other serves them one at a time, in order), TABLE updates, UNLINK, PING.
 
 TCP data streams: the client opens ``2 * tcp_streams`` extra connections that
-start with DATA_HELLO {link_token, stream}; streams ``[0, n)`` carry the bytes
-of requests the client starts, ``[n, 2n)`` those the server starts, so the two
-directions never interleave bytes. A transfer that does not end cleanly leaves
-its streams in an unknown state: the client replaces them before the next one.
+start with DATA_HELLO {link_token, stream, epoch}; streams ``[0, n)`` carry the
+bytes of requests the client starts, ``[n, 2n)`` those the server starts, so the
+two directions never interleave bytes. A transfer that does not end cleanly leaves
+its streams in an unknown state: they are retired (never reused) and the client
+connects a new set with the next *epoch* (per direction). Transfer identity:
+
+* PULL / PUSH name the epoch of the streams the requester uses; the serving side
+  uses only streams of that epoch (waiting for them within the request's deadline)
+  and answers a request for a retired epoch with a failed DONE, touching no stream.
+* Every stream's bytes start with a header naming the request (``req``), checked
+  natively before a payload byte lands (``_native.sock_recv``, ``Status.STALE``).
+* A requester whose transfer ends without a clean DONE (timeout, cancel, mover
+  error) sends CANCEL {req, epoch}: the serving side drops the request if queued,
+  aborts it if running, and retires the streams of that epoch and older.
+
+Serving is bounded: each peer's requests run one at a time on the instance's
+serving executor (``aiodatadist.ServeThreads``, apart from its own transfers),
+at most MAX_QUEUED_REQUESTS wait, a request's deadline is capped by
+``aiodatadist.ServeTimeout``, and a reply the peer does not take within that
+bound closes its link.
 """
 
 from __future__ import annotations
@@ -40,6 +56,8 @@ from typing import TYPE_CHECKING, Any
 
 from . import _native, _wire
 from ._caches import CacheEntry, CacheTable
+from ._executor import quiesce as _quiesce
+from ._leases import FdChannel, FdListener
 from .errors import LLMException, LLMStatusCode, format_error, from_native, to_status_code
 
 if TYPE_CHECKING:
@@ -50,7 +68,11 @@ __all__ = ["ControlServer", "Peer", "connect", "host_identity"]
 log = logging.getLogger("aiodatadist.control")
 
 HANDSHAKE_TIMEOUT = 10.0
+UNLINK_SEND_TIMEOUT = 1.0
+"""How long an unlink waits for the peer to take its UNLINK before closing anyway."""
 MAX_QUEUED_REQUESTS = 8
+CANCEL_TIMEOUT = 2.0
+"""How long a requester tries to send a CANCEL (in the background) before closing the link."""
 _ACK = b"\x01"
 _req_ids = itertools.count(1)
 # DATA_HELLO.stream = direction * _STREAM_SLOTS + i: the layout does not depend on
@@ -150,21 +172,25 @@ def _link_error(
 
 
 async def quiesce(task: asyncio.Future[Any]) -> None:
-    """Waits until ``task`` is done, even through cancels of the waiting task."""
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.done():
-                break
-            cancelled = True
-        except BaseException:
-            break
+    """Waits until ``task`` is done, even through cancels of the waiting task.
+
+    The one wait-for-quiescence of the package (:func:`aiodatadist._executor.quiesce`):
+    a cancel raises the ``CancelledError`` that was caught, once ``task`` is done.
+    """
+    await _quiesce(task)
     if not task.cancelled():
         task.exception()  # retrieved: the caller reports what matters
-    if cancelled:
-        raise asyncio.CancelledError()
+
+
+@dataclass
+class ServeStats:
+    """What the serving side of one link did with the peer's requests (for tests and tools)."""
+
+    served: int = 0  # ended with a successful DONE
+    failed: int = 0  # ended with a failed DONE (refused, timed out, mover error, stale)
+    stale: int = 0  # of those: named streams of a retired epoch; no stream was touched
+    cancelled_queued: int = 0  # CANCEL arrived while queued: never started
+    cancelled_running: int = 0  # CANCEL arrived while running: aborted
 
 
 @dataclass
@@ -199,6 +225,9 @@ class Peer:
         self.link_token = link_token
         self.table = table
         self.endpoint = endpoint
+        # The server's fd socket (aiodatadist._leases): on the client, the name WELCOME
+        # gave; on the server, the name it offered (None: no fd channel for this link).
+        self.fd_socket: str | None = None
         # Same host, and the pid the peer gave really holds the other end of this
         # connection: only then may the one-sided paths act on that process.
         self.same_host = info.host_id == host_identity() and peer_owns_connection(
@@ -217,6 +246,15 @@ class Peer:
         slots = self.n_streams if is_client else _STREAM_SLOTS
         self.streams: list[list[socket.socket | None]] = [[None] * slots, [None] * slots]
         self.streams_ready = [asyncio.Event(), asyncio.Event()]
+        # Per direction: the epoch of the current stream set, and the newest retired one
+        # (every epoch up to it is dead). A socket's epoch is in _stream_epoch.
+        self.epoch = [0, 0]
+        self._dead_epoch = [0, 0]
+        self._stream_epoch: dict[socket.socket, int] = {}
+        # Set (and replaced) whenever a direction's streams change: wakes serve waits.
+        self._streams_changed = [asyncio.Event(), asyncio.Event()]
+        self._connecting = [False, False]
+        self._reconnect: asyncio.Task[None] | None = None
         # Data-stream sockets a native job is using (with a count), and those dropped
         # meanwhile: closing one under the job would free its fd number for reuse, and the
         # job's bytes could then go to (or come from) whatever gets that number next.
@@ -231,6 +269,13 @@ class Peer:
         self._requests: asyncio.Queue[tuple[_wire.Message, float]] = asyncio.Queue(
             maxsize=MAX_QUEUED_REQUESTS
         )
+        # Serving state for CANCEL: req ids queued (with a count), cancelled while queued,
+        # and the running one (req, its abort token).
+        self._queued: dict[int, int] = {}
+        self._cancelled: set[int] = set()
+        self._running: tuple[int, _native.Control] | None = None
+        self.serve_stats = ServeStats()
+        self._serve_cap = dd.options.serve_timeout_ms / 1000
         self._tasks: list[asyncio.Task[None]] = []
         self.closed = asyncio.Event()
         self.on_close: Callable[[Peer], Awaitable[None]] | None = None
@@ -262,6 +307,10 @@ class Peer:
         if self.closed.is_set():
             raise _link_error("send", f"the link to cluster {self.info.cluster_id} is closed")
         async with self._send_lock:
+            # The link may have closed while we waited for the lock: uvloop raises
+            # RuntimeError for a write to a closed transport (asyncio ignores it).
+            if self.closed.is_set() or self.writer.transport.is_closing():
+                raise _link_error("send", f"the link to cluster {self.info.cluster_id} is closed")
             try:
                 await _wire.write_message(self.writer, msg_type, body, binary)
             except (OSError, ConnectionError, _wire.ConnectionClosed) as e:
@@ -325,7 +374,11 @@ class Peer:
                     if fut is not None and not fut.done():
                         fut.set_result(msg.body)
                 elif t in (_wire.MsgType.PULL, _wire.MsgType.PUSH):
+                    req = int(msg.body["req"])
+                    self._queued[req] = self._queued.get(req, 0) + 1
                     await self._requests.put((msg, asyncio.get_running_loop().time()))
+                elif t == _wire.MsgType.CANCEL:
+                    self._on_cancel(int(msg.body["req"]), int(msg.body["epoch"]))
                 elif t == _wire.MsgType.TABLE:
                     self._apply_table(msg.body["table"])
                 elif t == _wire.MsgType.PING:
@@ -355,9 +408,55 @@ class Peer:
         fresh = CacheTable.from_description([_wire.check_cache_description(d) for d in items])
         self.table.replace_with(fresh)
 
+    def _on_cancel(self, req: int, epoch: int) -> None:
+        """The peer gave up ``req`` and its streams of ``epoch`` and older: drop or abort
+        the request, retire those streams (they are never used again)."""
+        if req in self._queued:
+            self._cancelled.add(req)
+        running = self._running
+        if running is not None and running[0] == req:
+            self._cancelled.add(req)
+            running[1].abort()
+        peer_dir = 1 - self.my_direction
+        self._retire_epoch(peer_dir, epoch)
+        if self.is_client and peer_dir == 1 and not self.streams_ready[1].is_set():
+            self._reconnect_soon()  # we own the streams: the peer cannot make new ones
+        self._notify_streams(peer_dir)
+
+    def cancel_soon(self, req: int, epoch: int) -> None:
+        """Sends CANCEL {req, epoch} in the background (never blocking the caller, which may
+        be unwinding a cancellation); a peer that does not take it in CANCEL_TIMEOUT is
+        dropped."""
+        if self.closed.is_set():
+            return
+
+        async def send_cancel() -> None:
+            try:
+                async with asyncio.timeout(CANCEL_TIMEOUT):
+                    await self.send(_wire.MsgType.CANCEL, {"req": req, "epoch": epoch})
+            except TimeoutError:
+                await self.close("the peer did not take a CANCEL")
+            except LLMException:
+                pass  # the link is closed: nothing left to cancel
+
+        self._spawn(send_cancel())
+
+    def _spawn(self, coro: Any) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
     async def _serve_loop(self) -> None:
-        while True:
+        while not self.closed.is_set():  # _serve may close the link (a peer not reading)
             msg, arrived = await self._requests.get()
+            req = int(msg.body["req"])
+            left = self._queued.pop(req, 1) - 1
+            if left > 0:
+                self._queued[req] = left
+            if req in self._cancelled:
+                self._cancelled.discard(req)
+                self.serve_stats.cancelled_queued += 1
+                continue  # the requester gave up on it: nothing to send, nothing to answer
             try:
                 await self._serve(msg, arrived)
             except asyncio.CancelledError:
@@ -366,11 +465,17 @@ class Peer:
                 log.exception("serving a request from cluster %d failed", self.info.cluster_id)
 
     async def _serve(self, msg: _wire.Message, arrived: float) -> None:
-        """Serves one PULL (we send) or PUSH (we receive) against our registered memory."""
+        """Serves one PULL (we send) or PUSH (we receive) against our registered memory.
+
+        Its deadline is the one the peer asked for, capped by ``aiodatadist.ServeTimeout``,
+        counted from its arrival. Waiting for its streams, the native job and the DONE
+        reply are all bounded: a peer that stops reading cannot hold this loop, or a
+        serving thread, past that (the reply's bound closes the link).
+        """
         body = msg.body
         req = int(body["req"])
         loop = asyncio.get_running_loop()
-        deadline = arrived + int(body["deadline_ms"]) / 1000
+        deadline = arrived + min(int(body["deadline_ms"]) / 1000, self._serve_cap)
         pull = msg.type == _wire.MsgType.PULL
         api = "serve_pull" if pull else "serve_push"
         status, info = LLMStatusCode.LLM_SUCCESS, ""
@@ -405,25 +510,24 @@ class Peer:
                 raise _link_error(
                     api, "request arrived after its deadline", LLMStatusCode.LLM_TIMEOUT
                 )
-            async with asyncio.timeout_at(deadline):
-                await self.streams_ready[peer_dir].wait()
-            socks = self.streams[peer_dir][:n]
-            if len(socks) < n or any(s is None for s in socks):
-                raise _link_error(api, "data streams are not connected")
+            socks = await self._streams_of(peer_dir, int(body["epoch"]), n, req, deadline, api)
             addrs = entry.addrs
             entry.hold(api)
             try:
-                executor = self.dd._executor_or_raise()
-                held[:] = [s for s in socks if s is not None]
+                executor = self.dd._serve_executor_or_raise()
+                held[:] = socks
                 fds = self.hold_streams(held)
+                ctl = _native.Control()
+                self._running = (req, ctl)
                 try:
                     if pull:
-                        job = lambda c: _native.sock_send(fds, plan, addrs, c)  # noqa: E731
+                        job = lambda c: _native.sock_send(fds, plan, addrs, c, tag=req)  # noqa: E731
                     else:
-                        job = lambda c: _native.sock_recv(fds, plan, addrs, c)  # noqa: E731
-                    await executor.run(job, deadline=deadline, api=api)
+                        job = lambda c: _native.sock_recv(fds, plan, addrs, c, tag=req)  # noqa: E731
+                    await executor.run(job, deadline=deadline, api=api, control=ctl)
                 finally:
                     # executor.run returns (even when cancelled) only once the job has.
+                    self._running = None
                     self.release_streams(held)
             finally:
                 entry.release()
@@ -439,22 +543,120 @@ class Peer:
                 self._drop_streams(peer_dir, only=held)
         except _wire.WireError as e:
             status, info = LLMStatusCode.LLM_PARAM_INVALID, str(e)
-        with contextlib.suppress(LLMException):
-            await self.send(
-                _wire.MsgType.DONE, {"req": req, "status": int(status), "info": info[:1000]}
-            )
+        if req in self._cancelled:
+            # The requester gave up (CANCEL) and will not read a reply.
+            self._cancelled.discard(req)
+            self.serve_stats.cancelled_running += 1
+            return
+        if status == LLMStatusCode.LLM_SUCCESS:
+            self.serve_stats.served += 1
+        else:
+            self.serve_stats.failed += 1
+        try:
+            # A peer that stopped reading must not hold this loop: the reply is bounded.
+            async with asyncio.timeout(self._serve_cap):
+                await self.send(
+                    _wire.MsgType.DONE, {"req": req, "status": int(status), "info": info[:1000]}
+                )
+        except TimeoutError:
+            await self.close("the peer did not take a reply in time")
+        except LLMException:
+            pass  # the link is closed
+
+    async def _streams_of(
+        self, direction: int, epoch: int, n: int, req: int, deadline: float, api: str
+    ) -> list[socket.socket]:
+        """The first ``n`` data streams of ``direction``, all of ``epoch``: waits for them
+        until ``deadline``; refuses (touching none) when that epoch was retired."""
+        while True:
+            if req in self._cancelled:
+                raise _link_error(api, "cancelled by the requester", LLMStatusCode.LLM_FAILED)
+            if epoch <= self._dead_epoch[direction] or epoch < self.epoch[direction]:
+                self.serve_stats.stale += 1
+                raise _link_error(
+                    api,
+                    f"stale request {req}: its data streams (epoch {epoch}) were replaced "
+                    f"(current epoch {self.epoch[direction]}); nothing was sent",
+                    LLMStatusCode.LLM_FAILED,
+                )
+            socks = self.streams[direction][:n]
+            if len(socks) == n and all(
+                s is not None and self._stream_epoch.get(s) == epoch for s in socks
+            ):
+                return [s for s in socks if s is not None]
+            if n > len(self.streams[direction]):
+                raise _link_error(
+                    api, f"{n} data streams asked for, {len(self.streams[direction])} exist",
+                    LLMStatusCode.LLM_PARAM_INVALID,
+                )
+            if self.is_client and not self.streams_ready[direction].is_set():
+                self._reconnect_soon()  # ours to connect: the peer is waiting for them
+            changed = self._streams_changed[direction]
+            async with asyncio.timeout_at(deadline):
+                await changed.wait()
 
     def _drop_streams(self, direction: int, only: list[socket.socket] | None = None) -> None:
-        """Drops the data streams of ``direction`` (with ``only``: just those sockets, if
-        they are still in place: the client may already have replaced them)."""
+        """Retires the data streams of ``direction`` (with ``only``: just those sockets, if
+        they are still in place: the client may already have replaced them). A retired
+        stream's epoch is dead: no request naming it is served again."""
+        dropped = False
         for i, s in enumerate(self.streams[direction]):
             if s is None or (only is not None and s not in only):
                 continue
             self.streams_ready[direction].clear()
+            self._dead_epoch[direction] = max(
+                self._dead_epoch[direction], self._stream_epoch.pop(s, 0)
+            )
             self._close_stream(s)
             self.streams[direction][i] = None
+            dropped = True
         if only is None:
             self.streams_ready[direction].clear()
+            self._dead_epoch[direction] = max(self._dead_epoch[direction], self.epoch[direction])
+        if dropped:
+            self._notify_streams(direction)
+            if self.is_client and direction == 1 and not self._connecting[1]:
+                # The peer starts transfers on these and cannot connect new ones itself.
+                self._reconnect_soon()
+
+    def _retire_epoch(self, direction: int, epoch: int) -> None:
+        """Retires the streams of ``direction`` whose epoch is ``epoch`` or older."""
+        old = [
+            s
+            for s in self.streams[direction]
+            if s is not None and self._stream_epoch.get(s, 0) <= epoch
+        ]
+        if old:
+            self._drop_streams(direction, only=old)
+        dead = min(epoch, self.epoch[direction])
+        self._dead_epoch[direction] = max(self._dead_epoch[direction], dead)
+
+    def _notify_streams(self, direction: int) -> None:
+        changed = self._streams_changed[direction]
+        self._streams_changed[direction] = asyncio.Event()
+        changed.set()
+
+    def _reconnect_soon(self) -> None:
+        """Client side: connects a new set of the peer-started direction (1) in the background."""
+        if self.closed.is_set() or self._connecting[1]:
+            return
+        if self._reconnect is not None and not self._reconnect.done():
+            return
+
+        async def reconnect() -> None:
+            try:
+                await self.connect_streams(1, self._loop.time() + HANDSHAKE_TIMEOUT)
+            except (OSError, TimeoutError, LLMException) as e:
+                # The peer's next request naming a dead epoch fails; a later failure or
+                # CANCEL tries again.
+                log.warning(
+                    "cannot reconnect data streams to cluster %d: %s", self.info.cluster_id, e
+                )
+
+        task = self._loop.create_task(reconnect(), name="aiodatadist-peer-streams")
+        self._reconnect = task
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
     def _close_stream(self, s: socket.socket) -> None:
         """Closes a data stream, or, while a native job uses it, shuts it down (which ends
@@ -484,64 +686,87 @@ class Peer:
                 with contextlib.suppress(OSError):
                     s.close()
 
-    def attach_stream(self, index: int, sock: socket.socket) -> bool:
+    def attach_stream(self, index: int, sock: socket.socket, epoch: int) -> bool:
+        """Puts a connected data stream of ``epoch`` in its slot. A newer epoch retires the
+        direction's older streams; a stream of a dead or older epoch is refused."""
         direction, i = divmod(index, _STREAM_SLOTS)
         if direction > 1 or i >= len(self.streams[direction]):
             return False
+        if epoch <= self._dead_epoch[direction] or epoch < self.epoch[direction]:
+            return False
+        if epoch > self.epoch[direction]:
+            self._drop_streams(direction)  # the peer replaced the whole set
+            self.epoch[direction] = epoch
         old = self.streams[direction][i]
         if old is not None:
+            self._stream_epoch.pop(old, None)
             self._close_stream(old)
         self.streams[direction][i] = sock
+        self._stream_epoch[sock] = epoch
         # The client opened them all before it uses them; the server uses those that came.
         need = self.streams[direction] if self.is_client else self.streams[direction][:1]
         if all(s is not None for s in need):
             self.streams_ready[direction].set()
+        self._notify_streams(direction)
         return True
 
     async def connect_streams(self, direction: int, deadline: float | None) -> None:
-        """Client side: (re)opens the data streams of one direction."""
+        """Client side: opens a new set of data streams of one direction (the next epoch);
+        the old set is retired first."""
         assert self.is_client and self.endpoint is not None
-        self._drop_streams(direction)
-        loop = asyncio.get_running_loop()
-        host, port = self.endpoint
-        base = direction * _STREAM_SLOTS
-        async with asyncio.timeout_at(deadline):
-            for i in range(self.n_streams):
-                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-                family, stype, proto, _, addr = infos[0]
-                sock = socket.socket(family, stype, proto)
-                try:
-                    sock.setblocking(False)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    await loop.sock_connect(sock, addr)
-                    frame = _wire.encode(
-                        _wire.MsgType.DATA_HELLO,
-                        {"link_token": self.link_token, "stream": base + i},
-                    )
-                    await loop.sock_sendall(sock, frame)
-                    ack = await loop.sock_recv(sock, 1)
-                    if ack != _ACK:
-                        raise _link_error("link_clusters", "the peer refused a data stream")
-                except BaseException:
-                    sock.close()
-                    raise
-                self.attach_stream(base + i, sock)
+        self._connecting[direction] = True
+        try:
+            self._drop_streams(direction)
+            self.epoch[direction] += 1
+            epoch = self.epoch[direction]
+            loop = asyncio.get_running_loop()
+            host, port = self.endpoint
+            base = direction * _STREAM_SLOTS
+            async with asyncio.timeout_at(deadline):
+                for i in range(self.n_streams):
+                    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                    family, stype, proto, _, addr = infos[0]
+                    sock = socket.socket(family, stype, proto)
+                    try:
+                        sock.setblocking(False)
+                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                        await loop.sock_connect(sock, addr)
+                        frame = _wire.encode(
+                            _wire.MsgType.DATA_HELLO,
+                            {"link_token": self.link_token, "stream": base + i, "epoch": epoch},
+                        )
+                        await loop.sock_sendall(sock, frame)
+                        ack = await loop.sock_recv(sock, 1)
+                        if ack != _ACK:
+                            raise _link_error("link_clusters", "the peer refused a data stream")
+                        if self.closed.is_set() or not self.attach_stream(base + i, sock, epoch):
+                            raise _link_error(
+                                "link_clusters", "the data streams were replaced meanwhile"
+                            )
+                    except BaseException:
+                        sock.close()
+                        raise
+        finally:
+            self._connecting[direction] = False
 
-    async def ensure_streams(self, direction: int, deadline: float | None) -> list[socket.socket]:
-        """The leading run of connected streams of ``direction`` (connecting them if needed);
-        a job on them holds them with :meth:`hold_streams`."""
+    async def ensure_streams(
+        self, direction: int, deadline: float | None
+    ) -> tuple[list[socket.socket], int]:
+        """The leading run of connected streams of ``direction`` (connecting them if needed)
+        and their epoch; a job on them holds them with :meth:`hold_streams`."""
         if not self.streams_ready[direction].is_set():
             if self.is_client:
                 await self.connect_streams(direction, deadline)
             else:
                 async with asyncio.timeout_at(deadline):
                     await self.streams_ready[direction].wait()
+        epoch = self.epoch[direction]
         socks = []
         for s in self.streams[direction]:  # the leading run of connected streams
-            if s is None:
+            if s is None or self._stream_epoch.get(s) != epoch:
                 break
             socks.append(s)
-        return socks
+        return socks, epoch
 
     async def request(
         self, msg_type: _wire.MsgType, body: dict[str, Any], binary: bytes
@@ -558,6 +783,10 @@ class Peer:
             fut.cancel()
             raise
         return req, fut
+
+    def forget_request(self, req: int) -> None:
+        """Stops tracking ``req``: its DONE, if one still comes, is dropped."""
+        self._pending.pop(req, None)
 
     async def close(self, reason: str = "closed") -> None:
         if self.closed.is_set():
@@ -588,9 +817,18 @@ class Peer:
             await cb(self)
 
     async def unlink(self) -> None:
-        with contextlib.suppress(LLMException):
-            await self.send(_wire.MsgType.UNLINK, {"cluster_id": self.dd.cluster_id})
-        await self.close("unlinked")
+        """Says goodbye (best effort) and closes the connection.
+
+        The goodbye waits for the peer to take it at most ``UNLINK_SEND_TIMEOUT``: a peer
+        that stopped reading must not hold an unlink or ``finalize`` forever. Cancel (a
+        caller's deadline): the connection is closed all the same, then it propagates.
+        """
+        try:
+            with contextlib.suppress(LLMException, TimeoutError):
+                async with asyncio.timeout(UNLINK_SEND_TIMEOUT):
+                    await self.send(_wire.MsgType.UNLINK, {"cluster_id": self.dd.cluster_id})
+        finally:
+            await self.close("unlinked")
 
 
 def _my_paths(dd: LLMDataDist) -> list[str]:
@@ -686,6 +924,8 @@ async def connect(
                 table=table,
                 endpoint=(host, port),
             )
+            fd_socket = w.get("fd_socket")
+            peer.fd_socket = fd_socket if isinstance(fd_socket, str) else None
             own = dd.cache_manager.table
             peer.table_version_sent = own.version
             await _wire.write_message(
@@ -715,6 +955,10 @@ class ControlServer:
         self._server: asyncio.Server | None = None
         self.peers: dict[str, Peer] = {}  # by link token
         self._handshakes: set[asyncio.Task[Any]] = set()
+        # fd channels (aiodatadist._leases): the listener, made on the first same-host
+        # handshake, and links welcomed but not yet adopted, by token.
+        self._fd_listener: FdListener | None = None
+        self._fd_waiting: dict[str, asyncio.Future[Peer]] = {}
 
     @property
     def address(self) -> tuple[str, int]:
@@ -811,6 +1055,7 @@ class ControlServer:
             )
             return
         token = secrets.token_hex(16)
+        fd_socket = self._fd_offer(str(hello["host_id"]), token)
         own = dd.cache_manager.table
         welcomed_version = own.version
         mac = (
@@ -830,6 +1075,7 @@ class ControlServer:
                 "data_paths": _my_paths(dd),
                 "link_token": token,
                 "mac": mac,
+                "fd_socket": fd_socket,
             },
         )
         first = await _wire.read_message(
@@ -848,8 +1094,12 @@ class ControlServer:
             dd, reader, writer, info, is_client=False, link_token=token, table=table, endpoint=None
         )
         peer.table_version_sent = welcomed_version
+        peer.fd_socket = fd_socket
         self.peers[token] = peer
         await dd._adopt_peer(peer)
+        waiting = self._fd_waiting.pop(token, None)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(peer)
 
     async def _data_stream(self, msg: _wire.Message, writer: asyncio.StreamWriter) -> None:
         peer = self.peers.get(str(msg.body["link_token"]))
@@ -862,12 +1112,78 @@ class ControlServer:
         dup.setblocking(False)
         try:
             dup.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if not peer.attach_stream(int(msg.body["stream"]), dup):
+            if not peer.attach_stream(int(msg.body["stream"]), dup, int(msg.body["epoch"])):
                 dup.close()
                 return
             await asyncio.get_running_loop().sock_sendall(dup, _ACK)
         except OSError:
             dup.close()
+
+    # ---------------------------------------------------------------- fd channels
+
+    def _fd_offer(self, host_id: str, token: str) -> str | None:
+        """The fd socket name to put in WELCOME for a client on this host, else None."""
+        if host_id != host_identity():
+            return None
+        if self._fd_listener is None:
+            try:
+                self._fd_listener = FdListener(asyncio.get_running_loop(), self._fd_hello)
+            except OSError as e:
+                log.debug("no fd socket (%s): one-sided paths are not used", e)
+                return None
+        fut: asyncio.Future[Peer] = asyncio.get_running_loop().create_future()
+        self._fd_waiting[token] = fut
+        # Bounded: a welcomed client that never completes its handshake.
+        asyncio.get_running_loop().call_later(
+            HANDSHAKE_TIMEOUT * 2, lambda: self._fd_waiting.pop(token, None)
+        )
+        return self._fd_listener.name
+
+    def _fd_hello(self, chan: FdChannel, token: str) -> None:
+        """A client's fd channel said hello with ``token``: attached to that link once its
+        peer is adopted, if the connecting process is that peer (``SO_PEERCRED``)."""
+        peer = self.peers.get(token)
+        if peer is not None:
+            self._fd_claim(chan, peer)
+            return
+        fut = self._fd_waiting.get(token)
+        if fut is None:
+            chan.close()
+            return
+
+        async def later() -> None:
+            try:
+                async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+                    found = await asyncio.shield(fut)
+            except TimeoutError:
+                chan.close()  # the link never came: nothing to attach it to
+                return
+            except asyncio.CancelledError:
+                chan.close()
+                raise
+            self._fd_claim(chan, found)
+
+        task = asyncio.get_running_loop().create_task(later())
+        self._handshakes.add(task)
+        task.add_done_callback(self._handshakes.discard)
+
+    def _fd_claim(self, chan: FdChannel, peer: Peer) -> None:
+        link = self.dd._registry.find(peer.info.cluster_id)
+        channel = None if link is None else link.channel
+        if (
+            chan.peer_pid != peer.info.pid
+            or not peer.same_host
+            or peer.fd_socket is None
+            or getattr(channel, "peer", None) is not peer
+        ):
+            log.debug("refused an fd channel from pid %d", chan.peer_pid)
+            chan.close()
+            return
+        attach = getattr(channel, "attach_fds", None)
+        if attach is None:
+            chan.close()
+            return
+        attach(chan, self.dd.cache_manager.leases)
 
     def forget(self, peer: Peer) -> None:
         self.peers.pop(peer.link_token, None)
@@ -884,6 +1200,12 @@ class ControlServer:
             self._server = None
         for task in list(self._handshakes):
             task.cancel()
+        if self._fd_listener is not None:
+            self._fd_listener.close()
+            self._fd_listener = None
+        for fut in self._fd_waiting.values():
+            fut.cancel()
+        self._fd_waiting.clear()
         for peer in list(self.peers.values()):
             await peer.close("server closed")
         self.peers.clear()

@@ -19,14 +19,15 @@ import itertools
 import logging
 import os
 import queue
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 from . import _native
 from .errors import LLMException, LLMStatusCode, format_error, from_native
 
-__all__ = ["INLINE_MAX_BYTES", "Job", "TransferExecutor"]
+__all__ = ["INLINE_MAX_BYTES", "Job", "TransferExecutor", "quiesce"]
 
 log = logging.getLogger("aiodatadist.executor")
 
@@ -65,6 +66,79 @@ def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
         fut.set_result(value)
     else:
         fut.set_exception(value)
+
+
+@contextlib.contextmanager
+def _cancel_shield() -> Iterator[None]:
+    """A scope that keeps anyio's cancel scopes from cancelling the current task again.
+
+    anyio re-delivers a scope's cancellation to a task inside it on every loop iteration
+    while the task waits on a future: a wait that must outlast a cancel (quiescence)
+    would wake, catch and wait again at the loop's full speed. A shielded anyio scope
+    stops the re-delivery; anyio restarts it when the scope exits. Without anyio loaded
+    nobody re-delivers, and a plain ``Task.cancel()`` passes through this shield anyway.
+    """
+    anyio = sys.modules.get("anyio")
+    scope: Any = None
+    if anyio is not None and asyncio.current_task() is not None:
+        try:
+            scope = anyio.CancelScope(shield=True)
+            scope.__enter__()
+        except Exception:  # a loop anyio does not know: it cannot be cancelling us either
+            scope = None
+    try:
+        yield
+    finally:
+        if scope is not None:
+            scope.__exit__(None, None, None)
+
+
+async def quiesce(
+    fut: asyncio.Future[Any],
+    *,
+    on_cancel: Callable[[], None] | None = None,
+    cancelled: asyncio.CancelledError | None = None,
+) -> None:
+    """Waits until ``fut`` is done, through any number of cancels of the waiting task.
+
+    ``fut`` itself is never cancelled here: whoever owns it (a native job, a task on
+    another loop) decides when it ends; ``on_cancel`` is called once, on the first
+    cancel, to ask it to (set an abort token, cancel a task).
+
+    Args:
+        fut: what must have finished before the caller may go on (its outcome is not
+            raised here; the caller reads it).
+        on_cancel: called on the first cancel of the waiting task.
+        cancelled: a ``CancelledError`` the caller already caught (the wait then starts
+            as cancelled; ``on_cancel`` is not called for it).
+
+    Raises:
+        asyncio.CancelledError: the waiting task was cancelled (or ``cancelled`` was
+            given); raised only once ``fut`` is done, and it is the first one caught,
+            the same object: anyio and ``asyncio.timeout`` recognise their own
+            cancellation by it (its message), and would let a new one escape.
+    """
+    first = cancelled
+    with contextlib.ExitStack() as stack:
+        if first is not None:
+            stack.enter_context(_cancel_shield())
+        while not fut.done():
+            try:
+                # asyncio.wait never cancels or raises what it waits for.
+                await asyncio.wait({fut})
+            except asyncio.CancelledError as exc:
+                if first is None:
+                    first = exc
+                    stack.enter_context(_cancel_shield())
+                    if on_cancel is not None:
+                        on_cancel()
+    if first is not None:
+        if not fut.cancelled():
+            fut.exception()  # retrieved: the caller's cancel is what propagates
+        try:
+            raise first
+        finally:
+            del first
 
 
 class TransferExecutor:
@@ -166,8 +240,10 @@ class TransferExecutor:
         Raises:
             LLMTimeoutError: the deadline passed; the native job has returned by then.
             LLMException: the native job failed (status from the native status table).
-            asyncio.CancelledError: the awaiting task was cancelled; raised only after
-                the native job has returned.
+            asyncio.CancelledError: the awaiting task was cancelled: the job is aborted
+                and this raises the caught ``CancelledError`` itself (the first one, so
+                anyio's scopes and ``asyncio.timeout`` recognise it), only after the
+                native job has returned.
         """
         loop = asyncio.get_running_loop()
         ctl = control if control is not None else _native.Control()
@@ -186,28 +262,15 @@ class TransferExecutor:
             ctl.abort()
 
         timer = loop.call_at(deadline, on_deadline) if deadline is not None else None
-        cancelled = False
         try:
-            while not fut.done():
-                try:
-                    await asyncio.shield(fut)
-                except asyncio.CancelledError:
-                    if fut.done() and not fut.cancelled():
-                        # Finished in the same iteration as the cancel: honour the cancel.
-                        cancelled = True
-                        break
-                    # Abort and keep waiting: the slot and the buffers stay held
-                    # until native code has let go of them.
-                    cancelled = True
-                    ctl.abort()
-                except BaseException:
-                    break
+            # A cancel aborts the job and keeps waiting: the slot and the buffers stay
+            # held until native code has let go of them. A job that finished in the same
+            # iteration as the cancel still honours the cancel.
+            await quiesce(fut, on_cancel=ctl.abort)
         finally:
             if timer is not None:
                 timer.cancel()
         failure = fut.exception()
-        if cancelled:
-            raise asyncio.CancelledError()
         if failure is None:
             return fut.result()
         if isinstance(failure, _native.NativeError):

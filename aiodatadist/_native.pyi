@@ -29,6 +29,8 @@ class Status(enum.IntEnum):
     PEER_CLOSED = 9
     IO_ERROR = 10
     NO_MEMORY = 11
+    STALE = 12
+    """A data stream carried another transfer's bytes: nothing was written."""
 
 class NativeError(Exception):
     status: Status
@@ -114,22 +116,65 @@ def cma_write(
     control: Control,
     threads: int = 1,
 ) -> None: ...
+SOCK_HEADER_BYTES: int
+"""Bytes of the header that starts every data stream of a socket transfer."""
+
 def sock_send(
-    fds: Sequence[int], plan: Plan, src_bases: Sequence[int], control: Control
-) -> None: ...
+    fds: Sequence[int], plan: Plan, src_bases: Sequence[int], control: Control, *, tag: int
+) -> None:
+    """Sends the plan's source bytes, an equal share per fd, each share after a header
+    naming transfer ``tag`` and the share's byte count."""
+
 def sock_recv(
-    fds: Sequence[int], plan: Plan, dst_bases: Sequence[int], control: Control
-) -> None: ...
+    fds: Sequence[int], plan: Plan, dst_bases: Sequence[int], control: Control, *, tag: int
+) -> None:
+    """Receives the plan's bytes into the destination; each stream's header must name
+    transfer ``tag`` and the share's byte count, or it fails with ``Status.STALE``
+    before writing a byte of that stream."""
+
+def sock_header(tag: int, nbytes: int) -> bytes:
+    """The header a stream of transfer ``tag`` carrying ``nbytes`` payload bytes starts with."""
+
 def cma_probe(pid: int) -> tuple[bool, int]:
     """Whether ``process_vm_readv`` on ``pid`` is allowed here, and the errno when it is not."""
 
+LEASE_SLOT_BYTES: int
+"""Bytes per lease slot: ``{atomic u64 gen; atomic u32 readers; u32 pad}``."""
+LEASE_REVOKED: int
+"""The bit of a slot's generation that marks it revoked (``1 << 63``)."""
+
+def lease_enter(addr: int, gen: int) -> bool:
+    """Counts one reader on the slot at ``addr``; False (and no reader left) when the
+    slot's generation is not ``gen``."""
+def lease_exit(addr: int) -> None:
+    """Ends one reader; the last reader of a revoked slot wakes the revoker (shared futex)."""
+def lease_publish(addr: int, gen: int) -> None: ...
+def lease_gen(addr: int) -> int: ...
+def lease_readers(addr: int) -> int: ...
+def lease_revoke(addr: int, timeout_s: float) -> bool:
+    """Marks the slot revoked and waits (GIL released, futex) until it has no reader, at
+    most ``timeout_s``; on timeout restores the generation it found and returns False."""
+
 class ShmSegment:
-    """A POSIX shared-memory segment mapped into this process."""
+    """A nameless, size-sealed memfd segment mapped into this process.
+
+    ``create`` makes one (nothing appears in ``/dev/shm``; its size is sealed, so no
+    process that maps it can ever fault past its end); ``from_fd`` maps one received
+    from a peer (an fd passed over a Unix socket) and refuses a file that is not
+    sealed against shrinking. ``name`` is a label (shown in ``/proc/<pid>/maps``).
+    """
 
     @staticmethod
     def create(name: str, size: int) -> ShmSegment: ...
     @staticmethod
-    def open(name: str, size: int, writable: bool = False) -> ShmSegment: ...
+    def from_fd(fd: int, size: int, writable: bool = False, name: str = "?") -> ShmSegment:
+        """Maps ``size`` bytes of a received segment; the fd is dup'ed (the caller keeps
+        and closes its own), the dup is closed by :meth:`close`.
+
+        Raises:
+            NativeError: PERMISSION_DENIED (not a sealed memfd), OUT_OF_RANGE (shorter
+                than ``size``), PARAM_INVALID (a bad fd or size).
+        """
     @property
     def name(self) -> str: ...
     @property
@@ -137,12 +182,14 @@ class ShmSegment:
     @property
     def addr(self) -> int: ...
     @property
+    def fd(self) -> int:
+        """The segment's fd (-1 once closed): what a peer is sent to map it."""
+    @property
     def owner(self) -> bool: ...
     @property
     def closed(self) -> bool: ...
     def close(self) -> None:
-        """Unmap (and, for the creator, unlink). Idempotent."""
-    def unlink(self) -> None: ...
+        """Unmaps and closes the fd. Idempotent."""
     @property
     def writable(self) -> bool: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...

@@ -16,7 +16,11 @@ sequences), so callers can write ``self._ids = check_int_list("ids", ids)``.
 
 from __future__ import annotations
 
-from typing import Literal, NoReturn, overload
+import math
+import operator
+import sys
+from collections.abc import Sequence
+from typing import Any, Literal, NoReturn, overload
 
 from .errors import LLMException, LLMParamError, LLMStatusCode
 
@@ -26,6 +30,8 @@ __all__ = [
     "INT64_MAX",
     "INT64_MIN",
     "INVALID_ID",
+    "MAX_IDS",
+    "MAX_TIMEOUT_S",
     "UINT16_MAX",
     "UINT32_MAX",
     "UINT64_MAX",
@@ -35,6 +41,7 @@ __all__ = [
     "check_layer_range",
     "check_sint",
     "check_str",
+    "check_timeout",
     "check_type",
     "check_uint",
     "raise_param_error",
@@ -51,6 +58,11 @@ INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 INVALID_ID = UINT64_MAX
 """Upstream's "no id" marker for ``req_id`` / ``prefix_id`` (``2**64 - 1``)."""
+MAX_IDS = 1 << 22
+"""The most ids one list may hold when the caller knows no tighter bound (a cache's
+``num_blocks`` usually is one): a longer one is refused before anything is allocated."""
+MAX_TIMEOUT_S = INT32_MAX / 1000
+"""The longest timeout in seconds (about 24.8 days): deadlines travel as int32 ms."""
 
 
 def type_name(value: object) -> str:
@@ -80,8 +92,24 @@ def require(
         raise LLMException(message, status_code=status_code)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _is_bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return True
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, np.bool_)
+
+
+def _as_int(name: str, value: object) -> int:
+    """``value`` as a plain ``int``: an ``int`` or anything with ``__index__`` (numpy
+    integer scalars, 0-d integer arrays), never a ``bool`` (Python's or numpy's)."""
+    if type(value) is int:
+        return value
+    if not _is_bool(value):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be int, got {type_name(value)}")
 
 
 def check_type(name: str, value: object, types: type | tuple[type, ...]) -> None:
@@ -151,14 +179,12 @@ def check_int(
         LLMParamError: ``value`` is out of range, e.g.
             ``link_retry_count must be in [1, 100], got 0``.
     """
-    if not _is_int(value):
-        raise TypeError(f"{name} must be int, got {type_name(value)}")
-    assert isinstance(value, int)
+    value = _as_int(name, value)
     if (min_value is not None and value < min_value) or (
         max_value is not None and value > max_value
     ):
         raise_param_error(f"{name} must be {_range_text(min_value, max_value)}, got {value}")
-    return int(value)
+    return value
 
 
 def check_uint(name: str, value: object, bits: int = 64) -> int:
@@ -169,13 +195,11 @@ def check_uint(name: str, value: object, bits: int = 64) -> int:
         LLMParamError: ``value`` is out of range, e.g.
             ``req_id must be a uint64 in [0, 18446744073709551615], got -1``.
     """
-    if not _is_int(value):
-        raise TypeError(f"{name} must be int, got {type_name(value)}")
-    assert isinstance(value, int)
+    value = _as_int(name, value)
     max_value = (1 << bits) - 1
     if not 0 <= value <= max_value:
         raise_param_error(f"{name} must be a uint{bits} in [0, {max_value}], got {value}")
-    return int(value)
+    return value
 
 
 def check_sint(name: str, value: object, bits: int = 64) -> int:
@@ -186,13 +210,11 @@ def check_sint(name: str, value: object, bits: int = 64) -> int:
         LLMParamError: ``value`` is out of range, e.g.
             ``cache_id must be an int64 in [-9223372036854775808, 9223372036854775807], got ...``.
     """
-    if not _is_int(value):
-        raise TypeError(f"{name} must be int, got {type_name(value)}")
-    assert isinstance(value, int)
+    value = _as_int(name, value)
     min_value, max_value = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     if not min_value <= value <= max_value:
         raise_param_error(f"{name} must be an int{bits} in [{min_value}, {max_value}], got {value}")
-    return int(value)
+    return value
 
 
 def check_int_list(
@@ -202,8 +224,17 @@ def check_int_list(
     bits: int = 64,
     signed: bool = False,
     allow_empty: bool = True,
+    max_len: int = MAX_IDS,
+    min_value: int | None = None,
+    max_value: int | None = None,
 ) -> list[int]:
-    """Check a ``list``/``tuple``/``range`` of integers of ``bits`` bits.
+    """Check a sequence of integers of ``bits`` bits (ids, block ids, addresses).
+
+    Accepted: a ``list``, ``tuple`` or ``range``, a 1-D integer numpy array, or another
+    sequence (not ``str``/bytes); each element an ``int`` or anything with ``__index__``
+    (numpy integer scalars), never a ``bool`` (Python's or numpy's). The length is
+    checked against ``max_len`` before anything is iterated or allocated, so a hostile
+    ``range(10**12)`` costs nothing.
 
     Args:
         name: Argument name for messages; elements are named ``name[i]``.
@@ -211,41 +242,105 @@ def check_int_list(
         bits: Width of each element.
         signed: Whether elements are signed (``intN``) or unsigned (``uintN``).
         allow_empty: Whether an empty sequence is accepted.
+        max_len: The most elements accepted.
+        min_value, max_value: Tighter bounds on each element than ``bits`` gives
+            (e.g. ``max_value=num_blocks - 1`` for block ids of a known cache).
 
     Returns:
         A new ``list`` of plain ``int``.
 
     Raises:
-        TypeError: ``values`` is not a list, tuple or range, or an element is
-            not an ``int`` (``bool`` included).
-        LLMParamError: an element is out of range, or the sequence is empty
-            and ``allow_empty`` is false.
+        TypeError: ``values`` is not such a sequence (a set, a str, a float or bool
+            array, a 2-D array), or an element is not an integer (``bool`` included).
+        LLMParamError: it is longer than ``max_len``, an element is out of range, or the
+            sequence is empty and ``allow_empty`` is false.
     """
-    if not isinstance(values, (list, tuple, range)):
-        raise TypeError(f"{name} must be list or tuple of int, got {type_name(values)}")
-    if not values:
-        if not allow_empty:
-            raise_param_error(f"{name} must not be empty")
-        return []
-    if isinstance(values, range):
-        items = list(values)
-    elif all(type(v) is int for v in values):
-        items = list(values)
-    else:
-        items = []
-        for i, v in enumerate(values):
-            if not _is_int(v):
-                raise TypeError(f"{name}[{i}] must be int, got {type_name(v)}")
-            items.append(int(v))
     if signed:
         lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     else:
         lo, hi = 0, (1 << bits) - 1
+    if min_value is not None:
+        lo = max(lo, min_value)
+    if max_value is not None:
+        hi = min(hi, max_value)
+    np = sys.modules.get("numpy")
+    is_array = np is not None and isinstance(values, np.ndarray)
+    if is_array:
+        assert np is not None
+        arr: Any = values
+        if arr.ndim != 1:
+            raise TypeError(f"{name} must be a 1-D array of int, got a {arr.ndim}-D array")
+        if arr.dtype.kind not in "iuO":
+            raise TypeError(f"{name} must hold integers, got an array of {arr.dtype}")
+    elif not isinstance(values, (list, tuple, range)) and (
+        not isinstance(values, Sequence) or isinstance(values, (str, bytes, bytearray))
+    ):
+        raise TypeError(
+            f"{name} must be list or tuple of int, got {type_name(values)} "
+            "(a range or a 1-D integer numpy array also do)"
+        )
+    try:
+        n = len(values)  # type: ignore[arg-type]
+    except OverflowError:  # a range longer than sys.maxsize
+        n = sys.maxsize
+    if n > max_len:
+        raise_param_error(f"{name} holds {n} ids, more than the {max_len} allowed")
+    if n == 0:
+        if not allow_empty:
+            raise_param_error(f"{name} must not be empty")
+        return []
+    items: list[int]
+    if is_array and arr.dtype.kind in "iu":
+        if int(arr.min()) < lo or int(arr.max()) > hi:
+            items = arr.tolist()
+        else:
+            return list(arr.tolist())
+    elif isinstance(values, range):
+        items = list(values)  # n <= max_len: bounded
+    elif isinstance(values, (list, tuple)) and all(type(v) is int for v in values):
+        items = list(values)
+    else:
+        items = []
+        seq: Sequence[object] = values  # type: ignore[assignment]
+        for i, v in enumerate(seq):
+            if i >= n:  # a sequence that grows while it is read
+                raise_param_error(f"{name} changed length while it was read")
+            items.append(_as_int(f"{name}[{i}]", v))
     if min(items) < lo or max(items) > hi:
-        check = check_sint if signed else check_uint
         for i, v in enumerate(items):
-            check(f"{name}[{i}]", v, bits)
+            if not lo <= v <= hi:
+                if min_value is None and max_value is None:
+                    kind = f"an int{bits}" if signed else f"a uint{bits}"
+                    raise_param_error(f"{name}[{i}] must be {kind} in [{lo}, {hi}], got {v}")
+                raise_param_error(f"{name}[{i}] must be in [{lo}, {hi}], got {v}")
     return items
+
+
+def check_timeout(name: str, value: object, *, allow_none: bool = True) -> float | None:
+    """Check a timeout in seconds: a finite real number in ``(0, MAX_TIMEOUT_S]``.
+
+    Raises:
+        TypeError: not a real number (``bool`` included), or None when not allowed.
+        LLMParamError: NaN, infinite, <= 0 or longer than ``MAX_TIMEOUT_S``.
+    """
+    if value is None and allow_none:
+        return None
+    np = sys.modules.get("numpy")
+    real = isinstance(value, (int, float)) or (
+        np is not None and isinstance(value, (np.integer, np.floating))
+    )
+    if not real or _is_bool(value):
+        expected = "a number of seconds or None" if allow_none else "a number of seconds"
+        raise TypeError(f"{name} must be {expected}, got {type_name(value)}")
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an int too large for a float
+        seconds = math.inf
+    if not math.isfinite(seconds):
+        raise_param_error(f"{name} must be a finite number of seconds, got {value}")
+    if not 0 < seconds <= MAX_TIMEOUT_S:
+        raise_param_error(f"{name} must be > 0 and <= {MAX_TIMEOUT_S} seconds, got {value}")
+    return seconds
 
 
 @overload

@@ -60,8 +60,15 @@ Link handshake (reference section 8.2, with mutual authentication)::
 * The server reveals nothing about registered memory (no table, pid or address)
   before authentication succeeds: the ``CHALLENGE`` schema has no field for it,
   and ``WELCOME`` is the first message that carries the table.
-* Data-stream connections open with ``DATA_HELLO {link_token, stream}``; the
-  token comes from ``WELCOME``.
+* Data-stream connections open with ``DATA_HELLO {link_token, stream, epoch}``;
+  the token comes from ``WELCOME``. The linking side opens every data stream and
+  numbers each (re)connected set of one direction with a new ``epoch``; ``PULL`` /
+  ``PUSH`` name the epoch of the streams their bytes travel on, and the serving
+  side uses only streams of that epoch. The bytes of each stream start with a
+  header naming the request (``req``) they belong to (``_native.sock_header``).
+* ``CANCEL {req, epoch}``: the requester gave up request ``req`` (``0``: none) and
+  will never use its streams of epoch ``epoch`` or older again. The server drops the
+  request if still queued, aborts it if running, and retires those streams.
 
 The secret authenticates peers when they link; it does not protect the frames
 that follow against an on-path attacker (no encryption, no per-frame MAC).
@@ -96,6 +103,7 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "MAX_BINARY",
+    "MAX_DEADLINE_MS",
     "MAX_JSON",
     "MAX_SEGMENTS",
     "MAX_SMALL_JSON",
@@ -132,7 +140,7 @@ __all__ = [
 
 # --------------------------------------------------------------------------- constants
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Wire protocol version: the header byte and ``HELLO.version``; peers must match."""
 
 MAGIC = b"ADDW"
@@ -155,6 +163,8 @@ MAX_TABLE_ENTRIES = 4096
 """Most caches one cache table may describe."""
 MAX_STREAMS = 16
 """Most parallel data streams per request (``DATA_HELLO.stream`` is below this)."""
+MAX_DEADLINE_MS = 2**31 - 1
+"""Largest ``deadline_ms`` a ``PULL``/``PUSH`` may carry (the server caps it further)."""
 MAX_TEXT = 16 * 1024
 """Longest free-text field (``REFUSE.reason``, ``DONE.info``, ``ERROR.info``), in characters."""
 MAX_HOST_ID = 256
@@ -194,6 +204,7 @@ class MsgType(enum.IntEnum):
     PONG = 12
     DATA_HELLO = 13
     ERROR = 14
+    CANCEL = 15
 
 
 _BIG_TYPES = frozenset({MsgType.WELCOME, MsgType.TABLE})
@@ -390,14 +401,21 @@ def _table(value: Any, where: str) -> None:
         seen.add(d["cache_id"])
 
 
+def _fd_socket(value: Any, where: str) -> None:
+    if value is not None and _FD_SOCKET.fullmatch(value) is None:
+        raise WireError(f"{where}: {value!r:.80} is not an fd socket name")
+
+
+_FD_SOCKET = re.compile(r"aiodd-[0-9]{1,10}-[0-9a-f]{16}")
 _INT = (int,)
 _STR = (str,)
 _BOOL = (bool,)
 _LIST = (list,)
 
 _GEOMETRY = Field(_LIST, check=_list_of(Field(_INT, check=_positive_u64), min_len=3, max_len=3))
-_DEADLINE = Field(_INT, check=_range(1, _I31))
+_DEADLINE = Field(_INT, check=_range(1, MAX_DEADLINE_MS))
 _STREAMS = Field(_INT, check=_range(1, MAX_STREAMS))
+_EPOCH = Field(_INT, check=_u64)
 _NONCE = Field(_STR, check=_hex(32, 128))
 _STATUS = Field(_INT, check=_u32)
 _INFO = Field(_STR, check=_text(MAX_TEXT))
@@ -431,6 +449,9 @@ SCHEMAS: Mapping[MsgType, Mapping[str, Field]] = {
         ),
         "link_token": Field(_STR, check=_hex(32, 128)),
         "mac": Field((str, type(None)), check=_hex(_MAC_HEX, _MAC_HEX)),
+        # The server's abstract Unix socket for passing fds (segments, lease pages) to a
+        # same-host client; null or absent: none (one-sided paths are not used).
+        "fd_socket": Field((str, type(None)), required=False, check=_fd_socket),
     },
     MsgType.REFUSE: {"status": _STATUS, "reason": _INFO},
     MsgType.TABLE: {"version": Field(_INT, check=_u64), "table": Field(_LIST, check=_table)},
@@ -440,6 +461,7 @@ SCHEMAS: Mapping[MsgType, Mapping[str, Field]] = {
         "dst_geometry": _GEOMETRY,
         "deadline_ms": _DEADLINE,
         "streams": _STREAMS,
+        "epoch": _EPOCH,
     },
     MsgType.PUSH: {
         "req": Field(_INT, check=_u64),
@@ -447,6 +469,7 @@ SCHEMAS: Mapping[MsgType, Mapping[str, Field]] = {
         "src_geometry": _GEOMETRY,
         "deadline_ms": _DEADLINE,
         "streams": _STREAMS,
+        "epoch": _EPOCH,
     },
     MsgType.DONE: {"req": Field(_INT, check=_u64), "status": _STATUS, "info": _INFO},
     MsgType.UNLINK: {"cluster_id": Field(_INT, check=_u64)},
@@ -455,8 +478,10 @@ SCHEMAS: Mapping[MsgType, Mapping[str, Field]] = {
     MsgType.DATA_HELLO: {
         "link_token": Field(_STR, check=_hex(32, 128)),
         "stream": Field(_INT, check=_range(0, MAX_STREAMS - 1)),
+        "epoch": _EPOCH,
     },
     MsgType.ERROR: {"status": _STATUS, "info": _INFO},
+    MsgType.CANCEL: {"req": Field(_INT, check=_u64), "epoch": _EPOCH},
 }
 """Per message type: field name -> :class:`Field`.  Fields not listed are refused."""
 
@@ -513,6 +538,18 @@ def _row_keys(value: Any, where: str) -> None:
             _check_field(v, Field(_INT, check=_u64), f"{w}[{j}]")
 
 
+def _lease(value: Any, where: str) -> None:
+    if value is None:
+        return
+    if len(value) != 2 or any(type(v) is not int for v in value):
+        raise WireError(f"{where}: expected [slot, generation], got {value!r:.80}")
+    slot, gen = value
+    if not 0 <= slot < 2**32:
+        raise WireError(f"{where}: slot {slot} is out of range")
+    if not 0 < gen < 2**63:
+        raise WireError(f"{where}: generation {gen} is out of range")
+
+
 _DESCRIPTION: Mapping[str, Field] = {
     "cache_id": Field(_INT, check=_u64),
     "num_tensors": Field(_INT, check=_range(1, MAX_TENSORS)),
@@ -530,6 +567,9 @@ _DESCRIPTION: Mapping[str, Field] = {
     "shm_name": Field((str, type(None)), check=_text(201, 2)),
     "shm_size": Field(_INT, check=_u64),
     "shm_offsets": Field(_LIST, check=_list_of(Field(_INT, check=_u64), max_len=MAX_TENSORS)),
+    # [slot, generation] of the cache's lease for one-sided access (aiodatadist._leases);
+    # null: none, so peers use tcp for it.
+    "lease": Field((list, type(None)), required=False, check=_lease),
 }
 
 

@@ -18,17 +18,23 @@ import inspect
 import itertools
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _native
 from ._bridge import bridged
 from ._caches import CacheEntry, CacheTable
+from ._leases import LeaseBook, LeaseStale
 from ._validate import (
+    INT32_MAX,
+    INT64_MAX,
     INVALID_ID,
     check_int,
     check_int_list,
     check_layer_range,
+    check_sint,
+    check_timeout,
     check_type,
     check_uint,
     require,
@@ -57,6 +63,8 @@ log = logging.getLogger("aiodatadist.cache_manager")
 
 _cache_ids = itertools.count(1)  # upstream: int64 ids starting at 1, per process
 _shm_ids = itertools.count(1)
+# Caches finalize could not free (a copy still ran): kept alive, never unmapped under it.
+_LEAKED: list[CacheEntry] = []
 _TENSOR_ALIGN = 4096
 
 
@@ -127,12 +135,8 @@ def _check_tensor_num(value: object) -> int:
 
 
 def _check_timeout(value: object) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds or None, got {type(value).__name__}")
-    require(value > 0, f"timeout must be > 0 seconds, got {value}")
-    return float(value)
+    # Finite and bounded: an inf/NaN deadline reaches timers and the wire as garbage.
+    return check_timeout("timeout", value)
 
 
 def _plan(api: str, build: Any, *args: Any) -> _native.Plan:
@@ -174,9 +178,11 @@ class CacheTask:
 
     async def _wait(self, timeout_in_millis: int | None) -> bool:
         assert self._task is not None
+        timeout = None
         if timeout_in_millis is not None:
-            check_int("timeout_in_millis", timeout_in_millis, min_value=0)
-        timeout = None if timeout_in_millis is None else timeout_in_millis / 1000
+            # int32 ms, as upstream: a larger one would overflow the loop's timer.
+            ms = check_int("timeout_in_millis", timeout_in_millis, min_value=0, max_value=INT32_MAX)
+            timeout = ms / 1000
         # asyncio.wait never cancels the pipeline: a timed-out synchronize leaves it running.
         done, _ = await asyncio.wait({self._task}, timeout=timeout)
         return bool(done)
@@ -230,6 +236,11 @@ class CacheTask:
         return self.synchronize().__await__()
 
 
+async def _stop_abandoned(task: CacheTask) -> None:
+    """A CacheTask whose caller was cancelled before it got the task: stop its pipeline."""
+    await task.cancel()
+
+
 class CacheManager:
     """Registers caches and moves blocks between this instance and its linked peers.
 
@@ -242,6 +253,16 @@ class CacheManager:
         self.table = CacheTable()
         self._entries: dict[int, CacheEntry] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # Leases of our caches for one-sided peers (aiodatadist._leases).
+        self.leases = LeaseBook(f"/aiodd-{os.getpid()}-{owner.cluster_id}")
+        self.leases.set_segments(self._live_segments)
+
+    def _live_segments(self) -> list[tuple[str, int, int]]:
+        return [
+            (e.segment.name, e.segment.size, e.segment.fd)
+            for e in list(self._entries.values())
+            if e.segment is not None and not e.freed
+        ]
 
     # ------------------------------------------------------------------ helpers
 
@@ -377,8 +398,20 @@ class CacheManager:
         cache._owner = self
         cache._buffers = buffers if buffers is not None else segment
         cache._views_factory = lambda: self._views(entry)
+        # The lease is granted before the table lists the cache: no peer can see the
+        # cache without a current lease for it.
+        self.leases.grant(entry)
+        displaced = self.table.blocks(model_id) if model_id is not None else None
         self._entries[cache.cache_id] = entry
         self.table.add(entry)
+        if displaced is not None and displaced is not entry:
+            # It lost its model_id binding (last registration wins): peers that resolved
+            # the key to it must not keep reading it under the key's old meaning.
+            self.leases.renew(displaced)
+        if segment is not None:
+            # Same-host peers get the segment's fd before the table update that lists it
+            # (and only once nothing can fail: an fd never listed would pin the memory).
+            self.leases.push_segment(segment.name, segment.size, segment.fd)
         self._dd._table_changed()
         return cache
 
@@ -547,12 +580,25 @@ class CacheManager:
                 api,
                 f"cache {cache_id} is {'a' if entry.is_blocks else 'not a'} blocks cache",
             )
-        entry.mark_freed(api)
+        # One-sided peers first: revoke the lease on every link's page and wait (bounded,
+        # GIL released) until no peer copy under it is left; then our own transfers.
+        bound = self._dd._options.sync_kv_timeout_ms / 1000
+        if not self.leases.revoke(entry, bound):
+            raise _err(
+                api,
+                LLMStatusCode.LLM_LINK_BUSY,
+                f"cache {cache_id} is still being copied by a linked peer after {bound:g} s; "
+                "it stays registered",
+            )
+        try:
+            entry.mark_freed(api)
+        except BaseException:
+            self.leases.restore(entry)
+            raise
+        self.leases.release(entry)
         del self._entries[cache_id]
         self.table.remove(cache_id)
-        if entry.segment is not None:
-            # Unlink the name now; the mapping goes when the last numpy view of it does.
-            entry.segment.unlink()
+        # The mapping goes when the last numpy view of the segment does (nothing is named).
         entry.segment = None
         entry.buffers = None
         if entry.cache is not None:
@@ -563,21 +609,38 @@ class CacheManager:
     def unregister_cache(self, cache_id: int) -> None:
         """Removes a registered cache and its index entries; unknown ids are a no-op.
 
+        Revokes the cache's lease first: waits (blocking, the GIL released) until no
+        linked peer's one-sided copy under it is left, at most ``sync_kv_timeout``; after
+        a successful return no peer reads or writes the memory any more.
+
         Raises:
-            LLMLinkError: LLM_LINK_BUSY while a transfer uses the cache.
+            LLMLinkError: LLM_LINK_BUSY while a transfer of this process uses the cache,
+                or a peer's copy still held the lease at the bound; nothing changed.
         """
         self._require_ready()
-        check_int("cache_id", cache_id)
-        self._free("unregister_cache", cache_id, allocated=False, blocks=None)
+        cid = check_sint("cache_id", cache_id, 64)
+        self._free("unregister_cache", cid, allocated=False, blocks=None)
 
     def deallocate_cache(self, cache: KvCache) -> None:
-        """Frees a non-block cache made by ``allocate_cache`` (no-op for registered ones)."""
+        """Frees a non-block cache made by ``allocate_cache`` (no-op for registered ones).
+
+        Waits for peers' one-sided copies as ``unregister_cache`` does.
+
+        Raises:
+            LLMLinkError: LLM_LINK_BUSY as ``unregister_cache``; nothing changed.
+        """
         self._require_ready()
         check_type("cache", cache, KvCache)
         self._free("deallocate_cache", cache.cache_id, allocated=True, blocks=False)
 
     def deallocate_blocks_cache(self, cache: KvCache) -> None:
-        """Frees a blocks cache made by ``allocate_blocks_cache`` (no-op for registered ones)."""
+        """Frees a blocks cache made by ``allocate_blocks_cache`` (no-op for registered ones).
+
+        Waits for peers' one-sided copies as ``unregister_cache`` does.
+
+        Raises:
+            LLMLinkError: LLM_LINK_BUSY as ``unregister_cache``; nothing changed.
+        """
         self._require_ready()
         check_type("cache", cache, KvCache)
         self._free("deallocate_blocks_cache", cache.cache_id, allocated=True, blocks=True)
@@ -587,7 +650,11 @@ class CacheManager:
         self._require_ready()
         check_type("cache_key", cache_key, CacheKey)
         key_id = cache_key.req_id if cache_key.req_id != INVALID_ID else cache_key.prefix_id
+        hit = self.table.row((key_id, cache_key.model_id))
         self.table.remove_row_key((key_id, cache_key.model_id))
+        if hit is not None:
+            # Peers that resolved the key must not keep reading the row under it.
+            self.leases.renew(hit[0])
         self._dd._table_changed()
 
     # --------------------------------------------------------------- transfers
@@ -688,16 +755,27 @@ class CacheManager:
                 remote, plan = build()  # the peer re-registered while we queued
             local.hold(api)
             try:
-                remote.hold(api)
-                try:
-                    call = self._call(api, deadline)
-                    if push:
-                        await link.channel.push(plan, local, remote, call)
-                    else:
-                        await link.channel.pull(plan, remote, local, call)
-                    link.transfers += 1
-                finally:
-                    remote.release()
+                for retry in (False, True):
+                    held = remote
+                    held.hold(api)
+                    try:
+                        call = self._call(api, deadline)
+                        if push:
+                            await link.channel.push(plan, local, held, call)
+                        else:
+                            await link.channel.pull(plan, held, local, call)
+                        link.transfers += 1
+                        break
+                    except LeaseStale:
+                        # A one-sided path found the lease gone before moving a byte: the
+                        # peer re-registered or freed the cache. One table refresh and one
+                        # retry; stale again: LLM_KV_CACHE_NOT_EXIST (this exception).
+                        if retry:
+                            raise
+                        await link.channel.refresh(deadline)
+                        remote, plan = build()
+                    finally:
+                        held.release()
             finally:
                 local.release()
 
@@ -748,8 +826,15 @@ class CacheManager:
         )
         local = self._entry_of(api, "decoder_kv_cache", decoder_kv_cache)
         require(local.is_blocks, "decoder_kv_cache must be a blocks cache")
-        src_blocks = check_int_list("prompt_blocks", prompt_blocks)
-        dst_blocks = check_int_list("decoder_blocks", decoder_blocks, allow_empty=False)
+        # Bounded by the destination: no list can name more blocks than it holds, and no
+        # id beyond int64 may reach native code (the source's size is known only later).
+        most = local.num_blocks
+        src_blocks = check_int_list(
+            "prompt_blocks", prompt_blocks, max_len=most, max_value=INT64_MAX
+        )
+        dst_blocks = check_int_list(
+            "decoder_blocks", decoder_blocks, allow_empty=False, max_len=most, max_value=most - 1
+        )
         if isinstance(prompt_cache_key, BlocksCacheKey):
             require(len(src_blocks) > 0, "prompt_blocks must not be empty with a BlocksCacheKey")
             require(
@@ -891,11 +976,26 @@ class CacheManager:
         require(entry.is_blocks, "cache must be a blocks cache")
         check_type("copy_block_info", copy_block_info, Mapping)
         require(len(copy_block_info) > 0, "copy_block_info must not be empty")
+        # Every block is named at most once as a destination: no list (and no total)
+        # can be longer than the cache, and no id beyond it reaches native code.
+        nb = entry.num_blocks
+        require(
+            len(copy_block_info) <= nb,
+            f"copy_block_info has {len(copy_block_info)} sources, more than the cache's "
+            f"{nb} blocks",
+        )
         pairs: list[tuple[int, int]] = []
         for src, dsts in copy_block_info.items():
-            s = check_int("copy_block_info key", src, min_value=0)
-            for d in check_int_list(f"copy_block_info[{s}]", dsts, allow_empty=False):
+            s = check_int("copy_block_info key", src, min_value=0, max_value=nb - 1)
+            for d in check_int_list(
+                f"copy_block_info[{s}]", dsts, allow_empty=False, max_len=nb, max_value=nb - 1
+            ):
                 pairs.append((s, d))
+            require(
+                len(pairs) <= nb,
+                f"copy_block_info names {len(pairs)}+ destinations, more than the cache's "
+                f"{nb} blocks",
+            )
         sources = {s for s, _ in pairs}
         for _, d in pairs:
             require(d not in sources, f"block {d} is both a source and a destination")
@@ -918,7 +1018,7 @@ class CacheManager:
 
     # ------------------------------------------------------ transfer_cache_async
 
-    @bridged
+    @bridged(on_abandoned=_stop_abandoned)
     async def transfer_cache_async(
         self,
         src_cache: KvCache,
@@ -941,6 +1041,9 @@ class CacheManager:
         Raises (synchronously, before anything is sent):
             TypeError, LLMParamError: bad arguments.
             LLMException: LLM_FAILED on a DECODER instance.
+            asyncio.CancelledError: awaited from another thread's loop and cancelled there;
+                a pipeline the call had already started is cancelled and awaited first,
+                so a started ``CacheTask`` is never left running without an owner.
         """
         api = "transfer_cache_async"
         self._require_ready()
@@ -975,8 +1078,20 @@ class CacheManager:
                 dst_block_indices is not None,
                 "src_block_indices needs dst_block_indices (blocks -> contiguous is not supported)",
             )
-            src_blocks = check_int_list("src_block_indices", src_block_indices, allow_empty=False)
-            dst_blocks = check_int_list("dst_block_indices", dst_block_indices, allow_empty=False)
+            # The source's size is known here, the destination's only per layer: ids
+            # beyond int64 never reach native code, lists are bounded before reading.
+            src_blocks = check_int_list(
+                "src_block_indices",
+                src_block_indices,
+                allow_empty=False,
+                max_value=max(0, local.num_blocks - 1) if local.is_blocks else INT64_MAX,
+            )
+            dst_blocks = check_int_list(
+                "dst_block_indices",
+                dst_block_indices,
+                allow_empty=False,
+                max_value=INT64_MAX,
+            )
             require(
                 len(src_blocks) == len(dst_blocks),
                 f"src_block_indices and dst_block_indices differ in length "
@@ -1226,23 +1341,29 @@ class CacheManager:
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
 
-    def _free_all(self) -> None:
+    def _free_all(self, timeout: float = 1.0) -> None:
+        """Finalize: frees every cache. Revoking their leases waits for peer copies at most
+        ``timeout`` seconds in all; a cache still copied (by a peer or our own job) is
+        leaked with a warning: its memory stays mapped for the life of the process."""
+        end = time.monotonic() + timeout
         for entry in list(self._entries.values()):
-            if entry.busy:
+            revoked = self.leases.revoke(entry, max(0.0, end - time.monotonic()))
+            if entry.busy or not revoked:
+                if revoked:
+                    self.leases.restore(entry)
                 log.warning(
                     "finalize: cache %d still in use by a transfer; not freed", entry.cache_id
                 )
-                # The mapping stays (the job writes into it); only the name goes, so
-                # nothing is left behind in /dev/shm when this process exits.
-                if entry.segment is not None:
-                    entry.segment.unlink()
+                # The memory stays (a job may still write into it); segments are nameless,
+                # so nothing is left behind in /dev/shm when this process exits.
+                _LEAKED.append(entry)
                 continue
+            self.leases.release(entry)
             entry.freed = True
-            if entry.segment is not None:
-                entry.segment.unlink()
             if entry.cache is not None:
                 entry.cache._views_factory = None
             entry.segment = None
             entry.buffers = None
         self._entries.clear()
         self.table.clear()
+        self.leases.close()

@@ -14,7 +14,11 @@ options use the ``aiodatadist.`` prefix:
   environment variable ``AIODATADIST_SECRET`` is used;
 * ``tcp_streams`` -> ``aiodatadist.TcpStreams``: 1..16, default 2;
 * ``mover_threads`` -> ``aiodatadist.MoverThreads``: 1..64, default 2;
-* ``finalize_timeout`` -> ``aiodatadist.FinalizeTimeout``: ms, default 5000.
+* ``finalize_timeout`` -> ``aiodatadist.FinalizeTimeout``: ms, default 5000;
+* ``serve_threads`` -> ``aiodatadist.ServeThreads``: 1..64, default 4: threads
+  that serve peers' tcp requests (each peer has at most one running);
+* ``serve_timeout`` -> ``aiodatadist.ServeTimeout``: ms, 1..2**31-1, default
+  30000: the longest a peer's request may take here, whatever deadline it asks for.
 
 :func:`parse_options` is what the engine calls in ``init``: it checks the
 value of every key it knows and returns a frozen :class:`Options`.
@@ -88,6 +92,8 @@ OPT_SHARED_SECRET = "aiodatadist.SharedSecret"
 OPT_TCP_STREAMS = "aiodatadist.TcpStreams"
 OPT_MOVER_THREADS = "aiodatadist.MoverThreads"
 OPT_FINALIZE_TIMEOUT = "aiodatadist.FinalizeTimeout"
+OPT_SERVE_THREADS = "aiodatadist.ServeThreads"
+OPT_SERVE_TIMEOUT = "aiodatadist.ServeTimeout"
 
 SECRET_ENV = "AIODATADIST_SECRET"
 """Environment variable holding the shared secret when ``shared_secret`` is not set."""
@@ -101,6 +107,8 @@ DEFAULT_EXECUTOR_THREADS = 2
 DEFAULT_TCP_STREAMS = 2
 DEFAULT_MOVER_THREADS = 2
 DEFAULT_FINALIZE_TIMEOUT_MS = 5000
+DEFAULT_SERVE_THREADS = 4
+DEFAULT_SERVE_TIMEOUT_MS = 30000
 DEFAULT_MEM_UTILIZATION = 0.95
 TRANSFER_BACKENDS = ("hixl",)
 ROLE_OPTION_VALUES = ("Prompt", "Decoder", "Mix")
@@ -219,6 +227,8 @@ class LLMConfig:
         self._tcp_streams: int | None = None
         self._mover_threads: int | None = None
         self._finalize_timeout: int | None = None
+        self._serve_threads: int | None = None
+        self._serve_timeout: int | None = None
 
     # -- output ---------------------------------------------------------------
 
@@ -290,6 +300,8 @@ class LLMConfig:
             (OPT_TCP_STREAMS, self._tcp_streams),
             (OPT_MOVER_THREADS, self._mover_threads),
             (OPT_FINALIZE_TIMEOUT, self._finalize_timeout),
+            (OPT_SERVE_THREADS, self._serve_threads),
+            (OPT_SERVE_TIMEOUT, self._serve_timeout),
         ]
         for key, value in own:
             if value is not None:
@@ -680,6 +692,34 @@ class LLMConfig:
             "finalize_timeout", value, min_value=0, max_value=INT32_MAX
         )
 
+    @property
+    def serve_threads(self) -> int:
+        """Threads that serve peers' tcp requests, ``[1, 64]``; default 4.
+
+        They are separate from ``executor_threads``, so peers can never starve this
+        instance's own transfers; each peer has at most one request running on them.
+        Emits ``aiodatadist.ServeThreads``.
+        """
+        return DEFAULT_SERVE_THREADS if self._serve_threads is None else self._serve_threads
+
+    @serve_threads.setter
+    def serve_threads(self, value: int) -> None:
+        self._serve_threads = check_int("serve_threads", value, min_value=1, max_value=_THREADS_MAX)
+
+    @property
+    def serve_timeout(self) -> int:
+        """The longest a peer's request may take here, in ms, ``[1, 2**31-1]``; default 30000.
+
+        A request's deadline is the smaller of the one the peer asks for and this,
+        counted from its arrival: a peer that stops reading holds a serving thread
+        for at most this long.  Emits ``aiodatadist.ServeTimeout``.
+        """
+        return DEFAULT_SERVE_TIMEOUT_MS if self._serve_timeout is None else self._serve_timeout
+
+    @serve_timeout.setter
+    def serve_timeout(self, value: int) -> None:
+        self._serve_timeout = check_int("serve_timeout", value, min_value=1, max_value=INT32_MAX)
+
 
 LlmConfig = LLMConfig
 
@@ -706,6 +746,8 @@ class Options:
         tcp_streams: ``aiodatadist.TcpStreams``.
         mover_threads: ``aiodatadist.MoverThreads``.
         finalize_timeout_ms: ``aiodatadist.FinalizeTimeout``.
+        serve_threads: ``aiodatadist.ServeThreads``.
+        serve_timeout_ms: ``aiodatadist.ServeTimeout``.
         link_total_time_s: ``llm.LinkTotalTime`` (0: not set).
         link_retry_count: ``llm.LinkRetryCount``.
         raw: A copy of every option given, known or not.
@@ -723,6 +765,8 @@ class Options:
     tcp_streams: int = DEFAULT_TCP_STREAMS
     mover_threads: int = DEFAULT_MOVER_THREADS
     finalize_timeout_ms: int = DEFAULT_FINALIZE_TIMEOUT_MS
+    serve_threads: int = DEFAULT_SERVE_THREADS
+    serve_timeout_ms: int = DEFAULT_SERVE_TIMEOUT_MS
     link_total_time_s: int = 0
     link_retry_count: int = 1
     raw: dict[str, str] = field(default_factory=dict, repr=False, hash=False)
@@ -869,6 +913,8 @@ def parse_options(
         finalize_timeout_ms=get_int(
             OPT_FINALIZE_TIMEOUT, DEFAULT_FINALIZE_TIMEOUT_MS, 0, INT32_MAX
         ),
+        serve_threads=get_int(OPT_SERVE_THREADS, DEFAULT_SERVE_THREADS, 1, _THREADS_MAX),
+        serve_timeout_ms=get_int(OPT_SERVE_TIMEOUT, DEFAULT_SERVE_TIMEOUT_MS, 1, INT32_MAX),
         link_total_time_s=get_int(OPT_LINK_TOTAL_TIME, 0, 0, UINT32_MAX),
         link_retry_count=get_int(OPT_LINK_RETRY_COUNT, 1, 1, _LINK_RETRY_MAX),
         raw=opts,

@@ -61,6 +61,8 @@ class LLMDataDist:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._executor: TransferExecutor | None = None
         self._callbacks: TransferExecutor | None = None
+        # Serves peers' tcp requests: apart from _executor, so peers never starve our own pulls.
+        self._serve_executor: TransferExecutor | None = None
         self._registry = LinkRegistry(self._cluster_id)
         self._cache_manager: CacheManager | None = None
         self._lifecycle = asyncio.Lock()
@@ -118,6 +120,11 @@ class LLMDataDist:
         assert self._executor is not None
         return self._executor
 
+    def _serve_executor_or_raise(self) -> TransferExecutor:
+        self._require_initialized()
+        assert self._serve_executor is not None
+        return self._serve_executor
+
     def _callbacks_or_raise(self) -> TransferExecutor:
         self._require_initialized()
         if self._callbacks is None:
@@ -161,6 +168,9 @@ class LLMDataDist:
             self._options = opts
             self._loop = asyncio.get_running_loop()
             self._executor = TransferExecutor(opts.executor_threads, name=str(self._cluster_id))
+            self._serve_executor = TransferExecutor(
+                opts.serve_threads, name=f"{self._cluster_id}-serve"
+            )
             self._cache_manager = CacheManager(self)
             self._registry = LinkRegistry(self._cluster_id)
             if opts.listen_ip is not None:
@@ -170,6 +180,8 @@ class LLMDataDist:
                     # A failed init leaves the instance as it was: not initialized, no loop.
                     self._executor.shutdown(0)
                     self._executor = None
+                    self._serve_executor.shutdown(0)
+                    self._serve_executor = None
                     self._cache_manager = None
                     self._loop = None
                     raise
@@ -202,27 +214,38 @@ class LLMDataDist:
                              f"cluster {remote_id} is already linked"),
                 status_code=LLMStatusCode.LLM_ALREADY_LINK,
             )
-        link = Link(self._cluster_id, remote_id, RemoteChannel(peer, self._options.data_path))
+        channel = RemoteChannel(peer, self._options.data_path)
+        link = Link(self._cluster_id, remote_id, channel)
 
         async def on_close(_peer: Any) -> None:
             self._registry.remove(link)
+            channel.peer_closed()
             if self._server is not None:
                 self._server.forget(_peer)
 
         peer.on_close = on_close
         self._registry.add(link)
+        assert self._cache_manager is not None
+        if peer.is_client:
+            # Same host: the fd channel (segments, lease pages) goes up now, so the first
+            # one-sided transfer finds it; without it the link still works (tcp).
+            channel.connect_fds(peer.fd_socket, self._cache_manager.leases)
+        elif peer.fd_socket is None:
+            channel.fds_settled.set()  # none offered: none will come
         peer.start()
         log.debug("linked %d <-> %d over %s", self._cluster_id, remote_id, link.data_path)
 
     @bridged
     async def finalize(self) -> None:
-        """Unlinks everything, waits (bounded by ``aiodatadist.FinalizeTimeout``) for
-        transfers in flight, stops the executor and frees allocated caches. Idempotent.
+        """Unlinks everything, waits for transfers in flight, stops the executor and frees
+        allocated caches. Idempotent.
 
-        A cache still used by a native job when the bound passes is not freed (it is
-        leaked rather than freed under the job), and a warning is logged. Running
-        ``transfer_cache_async`` pipelines are cancelled; waiting for them (one blocked in
-        a plain ``synchronize_layer`` ends only when that returns) is bounded the same way.
+        Timeout: ``aiodatadist.FinalizeTimeout`` bounds the whole call, one deadline for
+        every step: cancelled ``transfer_cache_async`` pipelines (one blocked in a plain
+        ``synchronize_layer`` ends only when that returns), the links (a transfer in
+        flight, a peer that stopped reading the goodbye) and the executors. A cache
+        still used by a native job when the deadline passes is not freed (it is leaked
+        rather than freed under the job), and a warning is logged.
         """
         async with self._lifecycle:
             if not self._initialized:
@@ -232,21 +255,26 @@ class LLMDataDist:
                 del _instances[self._cluster_id]
             assert self._cache_manager is not None and self._executor is not None
             bound = self._options.finalize_timeout_ms / 1000
-            await self._cache_manager._shutdown(bound)
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + bound  # one bound for the links and the executor
+            # One deadline for everything: pipelines, links, the server, the executor.
+            deadline = loop.time() + bound
+            await self._cache_manager._shutdown(bound)
             for link in list(self._registry):
                 await self._drop_link(link, deadline=deadline)
             if self._server is not None:
                 await self._server.close()
                 self._server = None
             idle = await self._executor.aclose(max(0.0, deadline - loop.time()))
+            if self._serve_executor is not None:
+                served = await self._serve_executor.aclose(max(0.0, deadline - loop.time()))
+                idle, self._serve_executor = idle and served, None
             if self._callbacks is not None:
                 self._callbacks.shutdown(0)
                 self._callbacks = None
             if not idle:
                 log.warning("finalize: transfers still running after %.1f s", bound)
-            self._cache_manager._free_all()
+            # Peers' one-sided copies are waited for (lease revocation) within the same bound.
+            self._cache_manager._free_all(max(0.0, deadline - loop.time()))
             self._executor = None
 
     async def __aenter__(self) -> LLMDataDist:
@@ -407,7 +435,16 @@ class LLMDataDist:
                 )
                 return
         try:
-            await link.channel.close()
+            # Closing says goodbye to a remote peer: bounded too (a peer that stopped
+            # reading), and the connection is closed locally whatever the peer does.
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await link.channel.close()
+            except TimeoutError:
+                log.warning(
+                    "closing the link to cluster %d ran past its deadline",
+                    link.remote_cluster_id,
+                )
         finally:
             if not slot_held:
                 link.slot.release()

@@ -295,6 +295,7 @@ NATIVE_STATUS_TABLE: Mapping[int, LLMStatusCode] = MappingProxyType(
         9: _S.LLM_LINK_FAILED,  # PEER_CLOSED
         10: _S.LLM_FAILED,  # IO_ERROR
         11: _S.LLM_OUT_OF_MEMORY,  # NO_MEMORY
+        12: _S.LLM_FAILED,  # STALE: a data stream carried another transfer's bytes
     }
 )
 """The one mapping from ``aiodatadist._native.Status`` values to :class:`LLMStatusCode`."""

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import glob
 import json
 import logging
 import mmap
@@ -672,8 +671,7 @@ class PeerProcess:
         finally:
             if proc.stdin is not None:
                 proc.stdin.close()
-            if proc.returncode is not None and proc.returncode != 0:
-                _unlink_segments(proc.pid)
+            # Nothing to reap after a crash: segments are nameless memfds (none in /dev/shm).
         return proc.returncode
 
     async def __aenter__(self) -> PeerProcess:
@@ -682,13 +680,6 @@ class PeerProcess:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
-
-
-def _unlink_segments(pid: int) -> None:
-    """Removes the shared-memory segments a dead process ``pid`` allocated (a crash leaks them)."""
-    for path in glob.glob(f"/dev/shm/aiodd-{pid}-*"):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
 
 
 # --------------------------------------------------------------------------- faults

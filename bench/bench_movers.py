@@ -335,7 +335,7 @@ def serve(args: argparse.Namespace) -> None:
         if line.strip() != "go":
             break
         try:
-            nat.sock_send([s.fileno() for s in fds], plan, bases, nat.Control())
+            nat.sock_send([s.fileno() for s in fds], plan, bases, nat.Control(), tag=1)
             out.write("ok\n")
         except Exception as e:  # report, keep serving
             out.write(f"err {e!r}\n")
@@ -535,7 +535,7 @@ class TcpPull:
         t0 = time.perf_counter()
         self.child.stdin.write("go\n")
         self.child.stdin.flush()
-        self.nat.sock_recv(self.fds, self.plan, self.bases, self.nat.Control())
+        self.nat.sock_recv(self.fds, self.plan, self.bases, self.nat.Control(), tag=1)
         dt = time.perf_counter() - t0
         reply = self.child.stdout.readline().strip()
         if reply != "ok":

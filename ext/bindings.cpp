@@ -32,9 +32,13 @@ class NativeError(Exception):
 
 }  // namespace
 
+#ifndef AIODATADIST_VERSION  // set by CMakeLists.txt from aiodatadist/_version.py
+#define AIODATADIST_VERSION "unknown"
+#endif
+
 PYBIND11_MODULE(_native, m) {
   m.doc() = "aiodatadist native core: plans, movers, shared memory (private; use the aiodatadist API)";
-  m.attr("__version__") = "0.1.0";
+  m.attr("__version__") = AIODATADIST_VERSION;
   m.attr("IOV_MAX") = iov_max();
   m.attr("CHUNK_BYTES") = kChunk;
 
@@ -51,6 +55,7 @@ PYBIND11_MODULE(_native, m) {
       .value("PEER_CLOSED", Status::PEER_CLOSED)
       .value("IO_ERROR", Status::IO_ERROR)
       .value("NO_MEMORY", Status::NO_MEMORY)
+      .value("STALE", Status::STALE)
       .finalize();
 
   py::exec(kNativeErrorSrc, m.attr("__dict__"));
@@ -140,9 +145,17 @@ PYBIND11_MODULE(_native, m) {
   m.def("cma_write", &cma_write, py::arg("pid"), py::arg("plan"), py::arg("local_src_bases"),
         py::arg("remote_dst_bases"), py::arg("control"), py::arg("threads") = 1, gil_release());
   m.def("sock_send", &sock_send, py::arg("fds"), py::arg("plan"), py::arg("src_bases"), py::arg("control"),
-        gil_release());
+        py::kw_only(), py::arg("tag"), gil_release());
   m.def("sock_recv", &sock_recv, py::arg("fds"), py::arg("plan"), py::arg("dst_bases"), py::arg("control"),
-        gil_release());
+        py::kw_only(), py::arg("tag"), gil_release());
+  m.attr("SOCK_HEADER_BYTES") = kStreamHeaderBytes;
+  m.def(
+      "sock_header",
+      [](uint64_t tag, uint64_t nbytes) {
+        auto h = stream_header(tag, nbytes);
+        return py::bytes(reinterpret_cast<const char*>(h.data()), h.size());
+      },
+      py::arg("tag"), py::arg("nbytes"));
   m.def(
       "cma_probe",
       [](int pid) {
@@ -150,6 +163,16 @@ PYBIND11_MODULE(_native, m) {
         return py::make_tuple(e == 0, e);
       },
       py::arg("pid"));
+
+  // Leases (lease.cpp): every function takes the address of a slot in a mapped lease page.
+  m.attr("LEASE_SLOT_BYTES") = kLeaseSlotBytes;
+  m.attr("LEASE_REVOKED") = kLeaseRevoked;
+  m.def("lease_enter", &lease_enter, py::arg("addr"), py::arg("gen"));
+  m.def("lease_exit", &lease_exit, py::arg("addr"));
+  m.def("lease_publish", &lease_publish, py::arg("addr"), py::arg("gen"));
+  m.def("lease_gen", &lease_gen, py::arg("addr"));
+  m.def("lease_readers", &lease_readers, py::arg("addr"));
+  m.def("lease_revoke", &lease_revoke, py::arg("addr"), py::arg("timeout_s"), gil_release());
 
   // The buffer protocol lets numpy views keep a segment mapped: a segment is
   // unmapped by close() or, when nothing refers to it any more, by its destructor.
@@ -160,15 +183,20 @@ PYBIND11_MODULE(_native, m) {
                                {static_cast<py::ssize_t>(s.size())}, {py::ssize_t{1}}, !s.writable());
       })
       .def_static("create", &ShmSegment::create, py::arg("name"), py::arg("size"))
-      .def_static("open", &ShmSegment::open, py::arg("name"), py::arg("size"), py::arg("writable") = false)
+      .def_static(
+          "from_fd",
+          [](int fd, uint64_t size, bool writable, const std::string& name) {
+            return ShmSegment::from_fd(fd, size, writable, name);
+          },
+          py::arg("fd"), py::arg("size"), py::arg("writable") = false, py::arg("name") = std::string("?"))
       .def_property_readonly("name", &ShmSegment::name)
       .def_property_readonly("size", &ShmSegment::size)
       .def_property_readonly("addr", &ShmSegment::addr)
+      .def_property_readonly("fd", &ShmSegment::fd)
       .def_property_readonly("owner", &ShmSegment::owner)
       .def_property_readonly("closed", &ShmSegment::closed)
       .def_property_readonly("writable", &ShmSegment::writable)
       .def("close", &ShmSegment::close)
-      .def("unlink", &ShmSegment::unlink)
       .def("__repr__", [](const ShmSegment& s) {
         return "<ShmSegment name='" + s.name() + "' size=" + std::to_string(s.size()) +
                (s.closed() ? " closed" : "") + ">";

@@ -4,6 +4,7 @@
 // about Python, so this core can be compiled, tested and sanitized on its own.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -29,6 +30,8 @@ enum class Status : int {
   PEER_CLOSED = 9,
   IO_ERROR = 10,
   NO_MEMORY = 11,
+  // A data stream carried another transfer's bytes (or lost its place): see sock.cpp.
+  STALE = 12,
 };
 
 class Error : public std::runtime_error {
@@ -149,10 +152,17 @@ void cma_write(int pid, const Plan& plan, const std::vector<uint64_t>& local_src
 int cma_probe(int pid);
 long iov_max();
 
+// Socket movers. Every stream starts with a header (magic, tag, that stream's
+// payload bytes) that the receiver checks before writing a payload byte: a stream
+// carrying another transfer's bytes fails with STALE. `tag` names the transfer
+// (the requester's request id); both ends must pass the same one.
+constexpr size_t kStreamHeaderBytes = 24;
+constexpr char kStreamMagic[8] = {'A', 'I', 'O', 'D', 'D', 'S', 'T', '1'};
+std::array<uint8_t, kStreamHeaderBytes> stream_header(uint64_t tag, uint64_t nbytes);
 void sock_send(const std::vector<int>& fds, const Plan& plan, const std::vector<uint64_t>& src_bases,
-               Control& ctl);
+               Control& ctl, uint64_t tag);
 void sock_recv(const std::vector<int>& fds, const Plan& plan, const std::vector<uint64_t>& dst_bases,
-               Control& ctl);
+               Control& ctl, uint64_t tag);
 
 // Runs fn(i) for i in [0, n) on n threads (the caller's thread takes i = 0) and
 // rethrows the first failure after every thread has returned; a failure on one
@@ -161,29 +171,55 @@ template <class Fn>
 void run_parallel(size_t n, Control& ctl, Fn fn);
 
 // ---- shared memory ----
+// A nameless memfd segment. create() seals its size (shrink, grow, seal), so a
+// process that maps it (from_fd, on an fd passed over a Unix socket) can never
+// be made to fault past its end. ``name`` is a label only (shown in /proc/*/maps).
 class ShmSegment {
  public:
   static ShmSegment* create(const std::string& name, uint64_t size);
-  static ShmSegment* open(const std::string& name, uint64_t size, bool writable);
+  // Maps a received segment; refuses one not sealed against shrinking. Dups fd
+  // (the caller keeps its own); the dup is closed by close().
+  static ShmSegment* from_fd(int fd, uint64_t size, bool writable, const std::string& name);
   ~ShmSegment();
   const std::string& name() const { return name_; }
   uint64_t size() const { return size_; }
   uint64_t addr() const { return reinterpret_cast<uint64_t>(addr_); }
+  int fd() const { return fd_; }
   bool owner() const { return owner_; }
   bool writable() const { return writable_; }
   bool closed() const { return addr_ == nullptr; }
   void close();
-  void unlink();
 
  private:
   ShmSegment() = default;
   std::string name_;
   uint64_t size_ = 0;
   void* addr_ = nullptr;
+  int fd_ = -1;
   bool owner_ = false;
   bool writable_ = true;
-  bool unlinked_ = false;
 };
+
+// ---- leases (lease.cpp) ----
+// One slot of a lease page: the generation of one cache's registration (0 =
+// empty, kLeaseRevoked set = being revoked) and the count of peer copies under it.
+struct LeaseSlot {
+  std::atomic<uint64_t> gen;
+  std::atomic<uint32_t> readers;
+  uint32_t pad;
+};
+constexpr uint64_t kLeaseSlotBytes = 16;
+constexpr uint64_t kLeaseRevoked = 1ull << 63;
+
+// All take the address of a slot inside a mapped lease page.
+bool lease_enter(uint64_t addr, uint64_t gen);   // false (and no reader left) when gen differs
+void lease_exit(uint64_t addr);                  // wakes a revoker when the last reader leaves
+void lease_publish(uint64_t addr, uint64_t gen);
+uint64_t lease_gen(uint64_t addr);
+uint32_t lease_readers(uint64_t addr);
+// Marks the generation revoked and waits (futex) until no reader is left, at most
+// timeout_s; on timeout restores the generation it found and returns false.
+bool lease_revoke(uint64_t addr, double timeout_s);
 
 }  // namespace aiodd
 

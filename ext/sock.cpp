@@ -1,6 +1,12 @@
 // Socket movers: send a plan's source bytes straight from registered memory
 // (sendmsg, no staging copy) and receive straight into the destination blocks
 // (readv). Each fd is one stream carrying an equal share of the plan's bytes.
+//
+// Every stream of a transfer starts with a header (kStreamHeaderBytes): a magic,
+// the transfer's tag and that stream's payload byte count. The receiver reads it
+// into a scratch buffer and checks it before a single payload byte reaches the
+// destination, so the bytes of another transfer (one that was cancelled, or a
+// stream that lost its place) are refused (Status::STALE), never delivered.
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -8,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstring>
 #include <sstream>
@@ -68,8 +75,75 @@ void wait_ready(int fd, short events, Control& ctl) {
   }
 }
 
-void stream(int fd, const std::vector<Piece>& pieces, bool send, Control& ctl) {
+using Header = std::array<uint8_t, kStreamHeaderBytes>;
+
+void put_u64(uint8_t* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+
+uint64_t get_u64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return v;
+}
+
+// Sends or receives exactly len bytes of a small buffer (a stream header) on a
+// non-blocking fd, waiting (abortably) when the socket is not ready.
+void header_io(int fd, uint8_t* buf, size_t len, bool send, Control& ctl) {
+  size_t off = 0;
+  while (off < len) {
+    ctl.check();
+    ssize_t n = send ? ::send(fd, buf + off, len - off, MSG_NOSIGNAL) : ::recv(fd, buf + off, len - off, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        wait_ready(fd, send ? POLLOUT : POLLIN, ctl);
+        continue;
+      }
+      sock_fail(send ? "send" : "recv", errno);
+    }
+    if (n == 0 && !send) {
+      std::ostringstream os;
+      os << "the peer closed the connection before the transfer's stream header (" << off << " of " << len
+         << " header bytes)";
+      throw Error(Status::PEER_CLOSED, os.str());
+    }
+    off += static_cast<size_t>(n);
+  }
+}
+
+// Checks a received header against the transfer this receiver waits for.
+void check_header(const Header& h, uint64_t tag, uint64_t nbytes) {
+  if (std::memcmp(h.data(), kStreamMagic, sizeof kStreamMagic) != 0) {
+    throw Error(Status::STALE,
+                "data stream out of step: no transfer header where transfer " + std::to_string(tag) +
+                    "'s should start; nothing was written");
+  }
+  uint64_t got_tag = get_u64(h.data() + 8);
+  uint64_t got_bytes = get_u64(h.data() + 16);
+  if (got_tag != tag) {
+    throw Error(Status::STALE, "data stream carries transfer " + std::to_string(got_tag) + ", not transfer " +
+                                   std::to_string(tag) + "; nothing was written");
+  }
+  if (got_bytes != nbytes) {
+    throw Error(Status::STALE, "data stream of transfer " + std::to_string(tag) + " announces " +
+                                   std::to_string(got_bytes) + " bytes, this end expects " +
+                                   std::to_string(nbytes) + "; nothing was written");
+  }
+}
+
+void stream(int fd, const std::vector<Piece>& pieces, bool send, Control& ctl, uint64_t tag) {
   NonBlocking nb(fd);
+  uint64_t part_bytes = 0;
+  for (const Piece& p : pieces) part_bytes += p.nbytes;
+  Header h = stream_header(tag, part_bytes);
+  if (send) {
+    header_io(fd, h.data(), h.size(), true, ctl);
+  } else {
+    Header got{};
+    header_io(fd, got.data(), got.size(), false, ctl);
+    check_header(got, tag, part_bytes);
+  }
   const size_t max_iov = static_cast<size_t>(iov_max());
   std::vector<struct iovec> iov;
   iov.reserve(max_iov);
@@ -131,7 +205,7 @@ void stream(int fd, const std::vector<Piece>& pieces, bool send, Control& ctl) {
 }
 
 void run_streams(const std::vector<int>& fds, const std::vector<Piece>& pieces, uint64_t total, bool send,
-                 Control& ctl) {
+                 Control& ctl, uint64_t tag) {
   if (fds.empty()) throw Error(Status::PARAM_INVALID, "no socket fds given");
   for (int fd : fds) {
     if (fd < 0) throw Error(Status::PARAM_INVALID, "negative socket fd");
@@ -144,21 +218,29 @@ void run_streams(const std::vector<int>& fds, const std::vector<Piece>& pieces, 
   }
   ctl.set_total(total);
   auto parts = split_even(pieces, total, fds.size());
-  run_parallel(fds.size(), ctl, [&](size_t i) { stream(fds[i], parts[i], send, ctl); });
+  run_parallel(fds.size(), ctl, [&](size_t i) { stream(fds[i], parts[i], send, ctl, tag); });
 }
 
 }  // namespace
 
+std::array<uint8_t, kStreamHeaderBytes> stream_header(uint64_t tag, uint64_t nbytes) {
+  std::array<uint8_t, kStreamHeaderBytes> h{};
+  std::memcpy(h.data(), kStreamMagic, sizeof kStreamMagic);
+  put_u64(h.data() + 8, tag);
+  put_u64(h.data() + 16, nbytes);
+  return h;
+}
+
 void sock_send(const std::vector<int>& fds, const Plan& plan, const std::vector<uint64_t>& src_bases,
-               Control& ctl) {
+               Control& ctl, uint64_t tag) {
   if (src_bases.empty()) throw Error(Status::PARAM_INVALID, "source addresses are required");
-  run_streams(fds, resolve(plan, src_bases, {}), plan.total_bytes(), true, ctl);
+  run_streams(fds, resolve(plan, src_bases, {}), plan.total_bytes(), true, ctl, tag);
 }
 
 void sock_recv(const std::vector<int>& fds, const Plan& plan, const std::vector<uint64_t>& dst_bases,
-               Control& ctl) {
+               Control& ctl, uint64_t tag) {
   if (dst_bases.empty()) throw Error(Status::PARAM_INVALID, "destination addresses are required");
-  run_streams(fds, resolve(plan, {}, dst_bases), plan.total_bytes(), false, ctl);
+  run_streams(fds, resolve(plan, {}, dst_bases), plan.total_bytes(), false, ctl, tag);
 }
 
 }  // namespace aiodd

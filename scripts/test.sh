@@ -8,4 +8,5 @@ echo "== ruff"
 echo "== mypy (strict on the package)"
 .venv/bin/mypy
 echo "== pytest"
-.venv/bin/pytest "$@"
+# The last line of defence: a run that hangs past this ends (TERM, then KILL) and fails.
+timeout --kill-after=30 "${AIODATADIST_TEST_TIMEOUT:-2400}" .venv/bin/pytest "$@"

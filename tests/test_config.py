@@ -34,6 +34,8 @@ def test_own_option_defaults() -> None:
     assert config.tcp_streams == 2
     assert config.mover_threads == 2
     assert config.finalize_timeout == 5000
+    assert config.serve_threads == 4
+    assert config.serve_timeout == 30000
 
 
 @pytest.mark.parametrize(
@@ -45,6 +47,8 @@ def test_own_option_defaults() -> None:
         ("tcp_streams", 16, "aiodatadist.TcpStreams"),
         ("mover_threads", 1, "aiodatadist.MoverThreads"),
         ("finalize_timeout", 0, "aiodatadist.FinalizeTimeout"),
+        ("serve_threads", 64, "aiodatadist.ServeThreads"),
+        ("serve_timeout", 1, "aiodatadist.ServeTimeout"),
     ],
 )
 def test_own_options_emitted_when_set(attr: str, value: object, key: str) -> None:
@@ -233,6 +237,9 @@ def test_listen_ip_info_ipv6_and_port_zero() -> None:
             LLMParamError,
             r"finalize_timeout must be in \[0, 2147483647\], got -1",
         ),
+        ("serve_threads", 0, LLMParamError, r"serve_threads must be in \[1, 64\], got 0"),
+        ("serve_timeout", 0, LLMParamError, r"serve_timeout must be in \[1, 2147483647\], got 0"),
+        ("serve_timeout", 1.5, TypeError, "serve_timeout"),
     ],
 )
 def test_config_validation(attr: str, value: object, exc: type[Exception], match: str) -> None:
@@ -298,6 +305,7 @@ def test_parse_options_defaults() -> None:
     assert opts.data_path == "auto"
     assert (opts.executor_threads, opts.tcp_streams, opts.mover_threads) == (2, 2, 2)
     assert opts.finalize_timeout_ms == 5000
+    assert (opts.serve_threads, opts.serve_timeout_ms) == (4, 30000)
     assert opts.shared_secret is None
     assert opts.link_total_time_s == 0
     assert opts.link_retry_count == 1
@@ -319,6 +327,8 @@ def test_parse_options_round_trip_from_config() -> None:
     config.tcp_streams = 4
     config.mover_threads = 8
     config.finalize_timeout = 100
+    config.serve_threads = 3
+    config.serve_timeout = 2500
     config.ge_options = {"unknown.key": "whatever"}
     raw = config.generate_options()
     opts = parse_options(raw, environ={SECRET_ENV: "from-env"})
@@ -329,6 +339,7 @@ def test_parse_options_round_trip_from_config() -> None:
     assert opts.data_path == "shm"
     assert (opts.executor_threads, opts.tcp_streams, opts.mover_threads) == (4, 4, 8)
     assert opts.finalize_timeout_ms == 100
+    assert (opts.serve_threads, opts.serve_timeout_ms) == (3, 2500)
     assert opts.link_total_time_s == 30 and opts.link_retry_count == 5
     assert opts.shared_secret == b"abc"
     assert opts.raw == raw
@@ -484,6 +495,9 @@ def test_all_data_paths_accepted() -> None:
             r"option aiodatadist.MoverThreads .*\[1, 64\], got '65'",
         ),
         ("aiodatadist.FinalizeTimeout", "-1", "option aiodatadist.FinalizeTimeout .*got '-1'"),
+        ("aiodatadist.ServeThreads", "65", r"option aiodatadist.ServeThreads .*\[1, 64\]"),
+        ("aiodatadist.ServeTimeout", "0", r"option aiodatadist.ServeTimeout .*got '0'"),
+        ("aiodatadist.ServeTimeout", "2147483648", "option aiodatadist.ServeTimeout"),
     ],
 )
 def test_parse_options_rejects(key: str, value: str, match: str) -> None:

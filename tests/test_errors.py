@@ -215,13 +215,14 @@ EXPECTED_NATIVE = {
     9: S.LLM_LINK_FAILED,
     10: S.LLM_FAILED,
     11: S.LLM_OUT_OF_MEMORY,
+    12: S.LLM_FAILED,
 }
 
 
 def test_native_status_table() -> None:
     assert dict(NATIVE_STATUS_TABLE) == EXPECTED_NATIVE
     with pytest.raises(TypeError):
-        NATIVE_STATUS_TABLE[12] = S.LLM_FAILED  # type: ignore[index]
+        NATIVE_STATUS_TABLE[99] = S.LLM_FAILED  # type: ignore[index]
 
 
 def test_native_status_table_matches_native_module() -> None:
@@ -239,6 +240,7 @@ def test_native_status_table_matches_native_module() -> None:
         "PEER_CLOSED": 9,
         "IO_ERROR": 10,
         "NO_MEMORY": 11,
+        "STALE": 12,
     }
     assert {m.name: int(m) for m in native.Status} == names
     assert set(NATIVE_STATUS_TABLE) == {int(m) for m in native.Status}

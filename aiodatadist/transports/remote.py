@@ -3,13 +3,22 @@
 Automatic choice (fastest that applies): on the same host, ``shm`` when the
 peer's cache lives in shared memory, else ``cma`` when the kernel allows it,
 else ``tcp``; across hosts ``tcp``. ``aiodatadist.DataPath`` forces one.
+
+The one-sided paths (``shm``, ``cma``) need the link's fd channel (the peer's
+segments and lease page come on it) and a lease on the remote cache: without
+either, a cache goes over ``tcp`` (or, with the path forced,
+``LLM_FEATURE_NOT_ENABLED``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from typing import TYPE_CHECKING
 
 from .. import _native
+from .._leases import HELLO_TIMEOUT, FdChannel, LeaseBook, connect_channel
 from ..errors import LLMException, LLMStatusCode, format_error
 from .base import Call, Channel
 from .cma import CmaPath
@@ -21,6 +30,8 @@ if TYPE_CHECKING:
     from .._control import Peer
 
 __all__ = ["RemoteChannel"]
+
+log = logging.getLogger("aiodatadist.transports.remote")
 
 
 class RemoteChannel(Channel):
@@ -35,6 +46,66 @@ class RemoteChannel(Channel):
         self.cma = cma if cma is not None and cma.allowed else None
         self.cma_refused_errno = cma.errno if cma is not None and not cma.allowed else 0
         self.tcp = TcpPath(peer) if "tcp" in peer_paths else None
+        # The link's fd channel: attached at link time (client) or once the peer has
+        # connected and proved the link token (server). ``fds_settled`` is set when it
+        # is attached or will not be; transfers wait for it, bounded.
+        self.fds: FdChannel | None = None
+        self.fds_settled = asyncio.Event()
+        self._settle_by = asyncio.get_running_loop().time() + HELLO_TIMEOUT
+        if not peer.same_host or (self.shm is None and self.cma is None):
+            self.fds_settled.set()
+        peer.table.on_replace = self._forget_fds
+
+    def _forget_fds(self) -> None:
+        # A table update: fds of segments the peer freed are closed now (their memory is
+        # released once unmapped too); mappings wait for the next transfer (in the slot).
+        if self.fds is not None:
+            self.fds.forget({e.shm_name for e in self.peer.table if e.shm_name})
+
+    def connect_fds(self, name: str | None, book: LeaseBook) -> None:
+        """Client side: connects to the server's fd socket ``name`` (from WELCOME). When it
+        cannot, the link still works: one-sided paths are not used (tcp)."""
+        if name is None or self.fds_settled.is_set():
+            self.fds_settled.set()
+            return
+        try:
+            chan = connect_channel(
+                name, self.peer.link_token, asyncio.get_running_loop(), self.peer.info.pid
+            )
+        except OSError as e:
+            log.debug("no fd channel to cluster %d (%s): tcp only", self.peer.info.cluster_id, e)
+            self.fds_settled.set()
+            return
+        self.attach_fds(chan, book)
+
+    def attach_fds(self, chan: FdChannel, book: LeaseBook) -> None:
+        if self.fds is not None or self.peer.closed.is_set():
+            chan.close()
+            return
+        self.fds = chan
+        for p in (self.shm, self.cma):
+            if p is not None:
+                p.fds = chan
+        chan.start(book)
+        self.fds_settled.set()
+
+    def peer_closed(self) -> None:
+        """The control connection closed: the fd channel stops (our page is revoked); the
+        peer's page stays mapped until :meth:`close` (a running copy may use it)."""
+        self.fds_settled.set()
+        if self.fds is not None:
+            self.fds.close()
+
+    async def _settle(self, deadline: float | None) -> None:
+        if self.fds_settled.is_set():
+            return
+        bound = self._settle_by if deadline is None else min(deadline, self._settle_by)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(bound):
+                await self.fds_settled.wait()
+
+    def _leased(self, remote: CacheEntry) -> bool:
+        return self.fds is not None and not self.fds.closed and remote.lease is not None
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -50,16 +121,18 @@ class RemoteChannel(Channel):
 
     def path_for(self, api: str, remote: CacheEntry) -> ShmPath | CmaPath | TcpPath:
         forced = self.forced
+        leased = self._leased(remote)
+        shm = self.shm if self.shm is not None and ShmPath.applies(remote) and leased else None
+        cma = self.cma if leased else None
         candidates: list[ShmPath | CmaPath | TcpPath | None]
         if forced == "shm":
-            candidates = [self.shm if self.shm is not None and ShmPath.applies(remote) else None]
+            candidates = [shm]
         elif forced == "cma":
-            candidates = [self.cma]
+            candidates = [cma]
         elif forced == "tcp":
             candidates = [self.tcp]
         else:
-            shm = self.shm if self.shm is not None and ShmPath.applies(remote) else None
-            candidates = [shm, self.cma, self.tcp]
+            candidates = [shm, cma, self.tcp]
         for c in candidates:
             if c is not None:
                 return c
@@ -70,6 +143,12 @@ class RemoteChannel(Channel):
                 why += f"; process_vm_readv refused: errno {self.cma_refused_errno}"
             if not self.peer.same_host and forced in ("shm", "cma"):
                 why += "; the peer is on another host"
+            elif forced in ("shm", "cma") and not leased:
+                why += (
+                    "; no lease for the remote cache: the link's fd channel is not up"
+                    if remote.lease is not None
+                    else "; the remote cache has no lease"
+                )
             why += ")"
         raise LLMException(
             format_error(api, LLMStatusCode.LLM_FEATURE_NOT_ENABLED, why),
@@ -80,18 +159,23 @@ class RemoteChannel(Channel):
         # Segments of caches the peer freed stay mapped (and their memory alive) until
         # unmapped here. Transfers on a link are serialized by its FIFO slot, so no
         # transfer uses a mapping while this runs.
+        live = {e.shm_name for e in self.peer.table if e.shm_name}
         if self.shm is not None:
-            self.shm.forget({e.shm_name for e in self.peer.table if e.shm_name}, busy=False)
+            self.shm.forget(live, busy=False)
+        if self.fds is not None:
+            self.fds.forget(live)
 
     async def pull(
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
     ) -> None:
+        await self._settle(call.deadline)
         self._unmap_freed()
         await self.path_for(call.api, remote).pull(plan, remote, local, call)
 
     async def push(
         self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call
     ) -> None:
+        await self._settle(call.deadline)
         self._unmap_freed()
         await self.path_for(call.api, remote).push(plan, local, remote, call)
 
@@ -102,4 +186,7 @@ class RemoteChannel(Channel):
     async def close(self) -> None:
         if self.shm is not None:
             self.shm.close()
+        self.fds_settled.set()
+        if self.fds is not None:
+            self.fds.release_page()  # (in the link's slot: no copy runs under it)
         await self.peer.unlink()

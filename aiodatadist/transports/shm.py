@@ -1,8 +1,10 @@
-"""``shm``: same host, the peer's cache lives in a shared-memory segment.
+"""``shm``: same host, the peer's cache lives in a shared-memory (memfd) segment.
 
-The decoder maps the peer's segment once (per link) and copies one-sidedly
-with the native local mover: no peer CPU involved. Only caches the peer
-allocated with ``allocate_*`` live in shared memory.
+The decoder maps the peer's segment once (per link) from the fd the peer sent over
+the link's fd channel (never by name), and copies one-sidedly with the native local
+mover under the cache's lease: no peer CPU involved. Only caches the peer allocated
+with ``allocate_*`` live in shared memory. Segments are sealed against shrinking,
+so nothing the peer does to its segment can fault a copy here (no SIGBUS).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from .. import _native
+from .._leases import leased
 from ..errors import LLMException, LLMStatusCode, format_error, from_native
-from .base import Call, local_copy
+from .base import Call
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry
+    from .._leases import FdChannel
 
 __all__ = ["ShmPath"]
 
@@ -27,10 +31,12 @@ class ShmPath:
     name = "shm"
 
     def __init__(self, pid: int) -> None:
-        # Segments are named after the process that made them (``/aiodd-<pid>-...``): the
-        # peer may only have us map its own, never another process's.
+        # Segments are labelled after the process that made them (``/aiodd-<pid>-...``):
+        # a label that is not the peer's is refused (a confused or lying peer).
         self._prefix = f"/aiodd-{pid}-"
         self._maps: dict[tuple[str, bool], _native.ShmSegment] = {}
+        # The link's fd channel (segments and the peer's lease page arrive on it).
+        self.fds: FdChannel | None = None
         # Copies running on the executor with addresses inside the mappings, and whether
         # close() came meanwhile: unmapping under a running copy would crash the process.
         self._busy = 0
@@ -40,8 +46,22 @@ class ShmPath:
     def applies(remote: CacheEntry) -> bool:
         return remote.shm_name is not None and remote.shm_size > 0
 
-    def _addrs(self, api: str, remote: CacheEntry, writable: bool) -> list[int]:
-        if remote.shm_name is None:
+    def _channel(self, api: str) -> FdChannel:
+        if self.fds is None or self.fds.closed:
+            raise LLMException(
+                format_error(
+                    api,
+                    LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                    "the link has no fd channel: shared memory cannot be mapped",
+                ),
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            )
+        return self.fds
+
+    async def _segment(self, call: Call, remote: CacheEntry, writable: bool) -> _native.ShmSegment:
+        api = call.api
+        name = remote.shm_name
+        if name is None:
             raise LLMException(
                 format_error(
                     api,
@@ -50,41 +70,61 @@ class ShmPath:
                 ),
                 status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
             )
-        if not remote.shm_name.startswith(self._prefix):
+        if not name.startswith(self._prefix):
             raise LLMException(
                 format_error(
                     api,
                     LLMStatusCode.LLM_PARAM_INVALID,
-                    f"remote cache {remote.cache_id} names segment {remote.shm_name!r}, "
+                    f"remote cache {remote.cache_id} names segment {name!r}, "
                     "which is not the peer's",
                 ),
                 status_code=LLMStatusCode.LLM_PARAM_INVALID,
             )
-        key = (remote.shm_name, writable)
+        key = (name, writable)
         seg = self._maps.get(key)
         if seg is None or seg.closed:
+            fd, size = await self._channel(api).segment_fd(name, call.deadline, api)
+            if size < remote.shm_size:
+                raise LLMException(
+                    format_error(
+                        api,
+                        LLMStatusCode.LLM_PARAM_INVALID,
+                        f"the peer's segment {name!r} holds {size} bytes, its table says "
+                        f"{remote.shm_size}",
+                    ),
+                    status_code=LLMStatusCode.LLM_PARAM_INVALID,
+                )
             try:
-                seg = _native.ShmSegment.open(remote.shm_name, remote.shm_size, writable)
+                seg = _native.ShmSegment.from_fd(fd, remote.shm_size, writable, name)
             except _native.NativeError as e:
                 raise from_native(e, api) from e
             self._maps[key] = seg
-        return [seg.addr + off for off in remote.shm_offsets]
+        return seg
+
+    async def _job(
+        self, call: Call, remote: CacheEntry, writable: bool, plan: _native.Plan, local: CacheEntry
+    ) -> Any:
+        fds = self._channel(call.api)
+        page = await fds.peer_page(call.deadline, call.api)
+        seg = await self._segment(call, remote, writable)
+        addrs = [seg.addr + off for off in remote.shm_offsets]
+        src, dst = (local.addrs, addrs) if writable else (addrs, local.addrs)
+        assert remote.lease is not None  # RemoteChannel.path_for checks it
+        slot, gen = remote.lease
+        copy = functools.partial(_copy, seg, plan, src, dst, call.mover_threads)
+        return leased(page, slot, gen, call.api, remote.cache_id, copy)
 
     async def pull(
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
     ) -> None:
-        src = self._addrs(call.api, remote, writable=False)
-        await self._run(
-            call, functools.partial(local_copy, plan, src, local.addrs, call.mover_threads), plan
-        )
+        job = await self._job(call, remote, False, plan, local)
+        await self._run(call, job, plan)
 
     async def push(
         self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call
     ) -> None:
-        dst = self._addrs(call.api, remote, writable=True)
-        await self._run(
-            call, functools.partial(local_copy, plan, local.addrs, dst, call.mover_threads), plan
-        )
+        job = await self._job(call, remote, True, plan, local)
+        await self._run(call, job, plan)
 
     async def _run(self, call: Call, job: Any, plan: _native.Plan) -> None:
         self._busy += 1
@@ -114,3 +154,16 @@ class ShmPath:
             with contextlib.suppress(Exception):
                 seg.close()
         self._maps.clear()
+
+
+def _copy(
+    seg: _native.ShmSegment,
+    plan: _native.Plan,
+    src: list[int],
+    dst: list[int],
+    threads: int,
+    control: _native.Control,
+) -> None:
+    # ``seg`` rides along so the mapping outlives the job whatever happens to the path.
+    del seg
+    _native.copy_local(plan, src, dst, control, threads)

@@ -5,14 +5,18 @@ connection; the serving side checks every segment against its registered
 memory and ``sendmsg``s straight from it (or ``readv``s straight into it),
 while the requester ``readv``s straight into its destination blocks (or sends
 from its source): no staging copy on either side. The bytes travel on the
-link's data streams of the requester's direction; a transfer that does not
-end cleanly makes the client replace those streams before the next one.
+link's data streams of the requester's direction. Every stream starts with a
+header naming the request, checked natively before a byte lands, and the
+request names the epoch of the streams it uses. A transfer that does not end
+cleanly retires those streams (the client connects a new epoch before the next
+one) and sends CANCEL, so the serving side drops or aborts it too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import socket
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +29,34 @@ if TYPE_CHECKING:
     from .._control import Peer
 
 __all__ = ["TcpPath"]
+
+
+# A deadline further away than this (~31 years) is treated as none: loop timers (uvloop's
+# in particular) overflow on huge or infinite times.
+_FOREVER_S = 1e9
+
+
+def _usable_deadline(deadline: float | None, now: float) -> float | None:
+    """``deadline`` as a loop time the timers can take: None for none, inf, nan or huge;
+    ``now`` for -inf (already passed)."""
+    if deadline is not None and deadline == -math.inf:
+        return now
+    if deadline is None or not math.isfinite(deadline) or deadline - now > _FOREVER_S:
+        return None
+    return deadline
+
+
+def deadline_ms(deadline: float | None, now: float) -> int:
+    """The wire's ``deadline_ms`` for ``deadline``: at least 1, at most the schema's maximum
+    (None, inf or huge: the maximum; the server caps it with its own ServeTimeout)."""
+    if deadline is not None and deadline == -math.inf:
+        return 1
+    if deadline is None or not math.isfinite(deadline):
+        return _wire.MAX_DEADLINE_MS
+    left = (deadline - now) * 1000
+    if left >= _wire.MAX_DEADLINE_MS:
+        return _wire.MAX_DEADLINE_MS
+    return max(1, int(left))
 
 
 def _peer_failure(api: str, reply: dict[str, Any]) -> LLMException:
@@ -53,7 +85,7 @@ class TcpPath:
             remote,
             call,
             {"dst_geometry": [local.num_tensors, local.num_blocks, local.block_bytes]},
-            lambda fds, c: _native.sock_recv(fds, plan, dst, c),
+            lambda fds, c, req: _native.sock_recv(fds, plan, dst, c, tag=req),
         )
 
     async def push(
@@ -66,7 +98,7 @@ class TcpPath:
             remote,
             call,
             {"src_geometry": [local.num_tensors, local.num_blocks, local.block_bytes]},
-            lambda fds, c: _native.sock_send(fds, plan, src, c),
+            lambda fds, c, req: _native.sock_send(fds, plan, src, c, tag=req),
         )
 
     async def _transfer(
@@ -78,16 +110,35 @@ class TcpPath:
         extra: dict[str, Any],
         mover: Any,
     ) -> None:
+        """Sends the request, runs ``mover(fds, control, req)`` on the link's streams of our
+        direction, and waits for the peer's DONE.
+
+        Raises:
+            LLMTimeoutError: ``call.deadline`` passed (connecting streams, sending the
+                request, moving bytes or waiting for DONE); the native job has returned.
+            LLMException: the peer's failure (its status), the mover's (e.g. a stream
+                carrying another transfer's bytes), or a closed link.
+            asyncio.CancelledError: the caller was cancelled; raised once the job has returned.
+
+        Whenever it does not end with a clean DONE, the streams it used are retired (never
+        reused) and a CANCEL goes to the peer in the background.
+        """
         from .._control import quiesce
 
         peer = self.peer
         loop = asyncio.get_running_loop()
+        # Timers cannot take every float: inf, nan and far-off deadlines mean "none" here
+        # (the wire's deadline_ms is clamped to its schema, and the server caps it anyway).
+        deadline = _usable_deadline(call.deadline, loop.time())
         direction = peer.my_direction
         clean = False
         held: list[socket.socket] = []
+        req = 0
+        done: asyncio.Future[dict[str, Any]] | None = None
+        epoch = peer.epoch[direction]
         try:
             try:
-                socks = await peer.ensure_streams(direction, call.deadline)
+                socks, epoch = await peer.ensure_streams(direction, deadline)
             except TimeoutError:
                 raise LLMException(
                     format_error(
@@ -97,13 +148,11 @@ class TcpPath:
                     ),
                     status_code=LLMStatusCode.LLM_TIMEOUT,
                 ) from None
-            left_ms = (
-                1 if call.deadline is None else max(1, int((call.deadline - loop.time()) * 1000))
-            )
             body = {
                 "cache_id": remote.cache_id,
-                "deadline_ms": min(left_ms, 2**31 - 1),
+                "deadline_ms": deadline_ms(call.deadline, loop.time()),
                 "streams": len(socks),
+                "epoch": epoch,
                 **extra,
             }
             # Held open until the mover has returned (the job is quiesced before `finally`):
@@ -112,8 +161,8 @@ class TcpPath:
             held = socks
             try:
                 # A peer that stopped reading must not hold us past the deadline in drain().
-                async with asyncio.timeout_at(call.deadline):
-                    _, done = await peer.request(
+                async with asyncio.timeout_at(deadline):
+                    req, done = await peer.request(
                         msg_type, body, _wire.segments_to_bytes(plan.segments())
                     )
             except TimeoutError:
@@ -126,9 +175,10 @@ class TcpPath:
                     status_code=LLMStatusCode.LLM_TIMEOUT,
                 ) from None
             ctl = _native.Control()
+            tag = req
             job = loop.create_task(
                 call.executor.run(
-                    lambda c: mover(fds, c), deadline=call.deadline, api=call.api, control=ctl
+                    lambda c: mover(fds, c, tag), deadline=deadline, api=call.api, control=ctl
                 )
             )
             try:
@@ -138,9 +188,9 @@ class TcpPath:
                     if int(reply["status"]) != 0:
                         ctl.abort()  # the peer will not send (or take) the bytes
                 await quiesce(job)
-                job.result()  # raises the mover's error (timeout, peer closed, ...)
+                job.result()  # raises the mover's error (timeout, peer closed, stale, ...)
                 try:
-                    async with asyncio.timeout_at(call.deadline):
+                    async with asyncio.timeout_at(deadline):
                         reply = await done
                 except TimeoutError:
                     raise LLMException(
@@ -170,6 +220,19 @@ class TcpPath:
                 raise
         finally:
             peer.release_streams(held)
+            if done is not None:
+                # Whatever ended the transfer, nobody awaits its DONE any more: a reply (or
+                # the link's closing failure) arriving later must not be left unretrieved.
+                peer.forget_request(req)
+                if not done.done():
+                    done.cancel()
+                elif not done.cancelled():
+                    done.exception()
             if not clean:
+                # Their position is unknown: never reused. The peer drops or aborts the
+                # request and retires them too (CANCEL, sent in the background).
                 with contextlib.suppress(Exception):
-                    peer._drop_streams(direction)
+                    # Just the ones it used: the client may have connected a newer set.
+                    peer._drop_streams(direction, only=held or None)
+                with contextlib.suppress(Exception):
+                    peer.cancel_soon(req, epoch)

@@ -138,7 +138,7 @@ async def test_finalize_bound_with_a_job_that_does_not_return(caplog) -> None:
             assert any("not freed" in r.getMessage() for r in caplog.records)
             assert not pull.done()
             # The destination was not freed under the job (its bytes land, checked below),
-            # but its name is gone: nothing is left in /dev/shm after the process exits.
+            # and it never had a name: nothing is left in /dev/shm after the process exits.
             assert not _shm_names(706)
         finally:
             gate.set()
@@ -297,3 +297,46 @@ async def test_queued_calls_at_finalize_raise(pair: Pair) -> None:
         await queued
     assert info.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK
     assert not dst.tensors[0].view(np.uint8).any()
+
+
+async def test_finalize_is_bounded_by_finalize_timeout_in_total(caplog) -> None:
+    """One deadline for everything (issue 9, finding 10): a pipeline blocked in a plain
+    synchronize_layer and a push whose native job does not return (so the link stays
+    busy) used to get the whole bound each, one after the other."""
+    bound = 1.0
+    options = {"aiodatadist.FinalizeTimeout": str(int(bound * 1000))}
+    async with inproc_pair(prompt_id=721, decoder_id=722, options=options) as pair:
+        src = pair.prompt_cache(seed=1, num_tensors=4, num_blocks=8, block_shape=BLOCK)
+        make_blocks_cache(pair.decoder, model_id=5, num_tensors=4, num_blocks=8,
+                          block_shape=BLOCK)
+        channel = instrument(pair.prompt, 722)
+        gate = threading.Event()
+        channel.job_gate = gate
+        entered, blocked = threading.Event(), threading.Event()
+
+        class Yes(LayerSynchronizer):
+            async def synchronize_layer(self, layer_index: int, timeout_in_millis) -> bool:
+                return True
+
+        class Blocked(LayerSynchronizer):
+            def synchronize_layer(self, layer_index: int, timeout_in_millis) -> bool:
+                entered.set()
+                blocked.wait(20)
+                return True
+
+        cfg = TransferWithCacheKeyConfig(BlocksCacheKey(722, 5), range(0, 2), range(0, 2))
+        cm = pair.prompt.cache_manager
+        loop = asyncio.get_running_loop()
+        try:
+            await cm.transfer_cache_async(src.cache, Yes(), [cfg], [0, 1], [2, 3])
+            await wait_until(lambda: channel.jobs_started == 1, what="the push to start")
+            await cm.transfer_cache_async(src.cache, Blocked(), [cfg], [4], [5])
+            await wait_until(entered.is_set, what="synchronize_layer to block")
+            with caplog.at_level(logging.WARNING, logger="aiodatadist"):
+                start = loop.time()
+                await pair.prompt.finalize()
+                elapsed = loop.time() - start
+            assert bound - 0.05 <= elapsed < bound + BOUND_S, elapsed
+        finally:
+            gate.set()
+            blocked.set()

@@ -35,6 +35,16 @@ def _aiodd_threads(cluster_id: int) -> list[str]:
             if t.name.startswith(f"aiodatadist-{cluster_id}-") and t.is_alive()]
 
 
+def _xfer_threads(cluster_id: int) -> list[str]:
+    """The transfer executor's threads (not the serving executor's, ``-serve-``)."""
+    return [n for n in _aiodd_threads(cluster_id) if "-serve-" not in n]
+
+
+def _serve_threads(cluster_id: int) -> list[str]:
+    prefix = f"aiodatadist-{cluster_id}-serve-"
+    return [n for n in _aiodd_threads(cluster_id) if n.startswith(prefix)]
+
+
 async def test_init_and_finalize_are_idempotent() -> None:
     dd = LLMDataDist(LLMRole.DECODER, 301)
     assert not dd.is_initialized and dd.role == LLMRole.DECODER and dd.cluster_id == 301
@@ -145,7 +155,7 @@ async def test_several_instances_in_one_process_move_real_bytes() -> None:
                 assert np.array_equal(blocks_of(dst.tensors[t])[i],
                                       blocks_of(srcs[i].tensors[t])[3 - i])
         # Each instance has its own executor threads.
-        names = [set(_aiodd_threads(dd.cluster_id)) for dd in [*prompts, decoder]]
+        names = [set(_xfer_threads(dd.cluster_id)) for dd in [*prompts, decoder]]
         assert all(len(n) == 2 for n in names)
         assert len(set().union(*names)) == 8
     finally:
@@ -188,14 +198,17 @@ async def test_llm_config_options_are_used() -> None:
     cfg = LLMConfig()
     cfg.sync_kv_timeout = 250
     cfg.executor_threads = 3
+    cfg.serve_threads = 2
     async with LLMDataDist(LLMRole.DECODER, 331) as dd:
         pass
     await dd.init(cfg.generate_options())
     try:
         assert dd.options.sync_kv_timeout_ms == 250
-        assert len(_aiodd_threads(331)) == 3
+        assert len(_xfer_threads(331)) == 3
+        assert len(_serve_threads(331)) == 2  # peers' requests: apart from our transfers
     finally:
         await dd.finalize()
+    assert _aiodd_threads(331) == []
 
 
 async def test_link_and_unlink_statuses() -> None:

@@ -53,8 +53,23 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _shm_names(pid: int, cluster_id: int) -> set[str]:
+    """Names of the instance's segments in /dev/shm: there must never be any (memfds)."""
     prefix = f"aiodd-{pid}-{cluster_id}-"
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+
+
+def _memfds(pid: int, cluster_id: int) -> dict[str, int]:
+    """The instance's segments this process holds open: label -> fd."""
+    prefix = f"/memfd:/aiodd-{pid}-{cluster_id}-"
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(prefix) and "lease" not in target:
+            out[target.removeprefix("/memfd:").split(" ")[0]] = int(fd)
+    return out
 
 
 # ------------------------------------------------------------- registration
@@ -227,12 +242,13 @@ async def test_overlapping_registrations_are_refused(pair: Pair) -> None:
 
 async def test_allocate_blocks_cache_in_shared_memory(pair: Pair) -> None:
     pid = os.getpid()
-    before_p, before_d = _shm_names(pid, 1), _shm_names(pid, 2)
+    before_p, before_d = _memfds(pid, 1), _memfds(pid, 2)
     src = pair.prompt.cache_manager.allocate_blocks_cache(_desc(), BlocksCacheKey(1, 0))
     dst = pair.decoder.cache_manager.allocate_blocks_cache(_desc())
-    new_p = _shm_names(pid, 1) - before_p
-    new_d = _shm_names(pid, 2) - before_d
+    new_p = set(_memfds(pid, 1)) - set(before_p)
+    new_d = set(_memfds(pid, 2)) - set(before_d)
     assert len(new_p) == 1 and len(new_d) == 1, "each allocation is one shm segment"
+    assert not _shm_names(pid, 1) and not _shm_names(pid, 2), "segments are nameless"
 
     views = src.tensors()
     assert len(views) == 4
@@ -253,14 +269,15 @@ async def test_allocate_blocks_cache_in_shared_memory(pair: Pair) -> None:
         for s, d in ((0, 4), (1, 5), (2, 6), (5, 0)):
             assert _same(dviews[t][d], views[t][s])
         assert not dviews[t][[1, 2, 3, 7]].view(np.uint8).any()
-    # The shm file really holds the bytes (another process could map it).
+    # The memfd really holds the bytes (a peer maps it from the fd it is sent).
     (name,) = new_p
-    head = np.fromfile(f"/dev/shm/{name}", dtype=np.uint8, count=views[0].nbytes)
+    fd = _memfds(pid, 1)[name]
+    head = np.fromfile(f"/proc/self/fd/{fd}", dtype=np.uint8, count=views[0].nbytes)
     assert np.array_equal(head, views[0].view(np.uint8).reshape(-1))
 
     pair.prompt.cache_manager.deallocate_blocks_cache(src)
     pair.decoder.cache_manager.deallocate_blocks_cache(dst)
-    assert _shm_names(pid, 1) == before_p and _shm_names(pid, 2) == before_d
+    assert not _shm_names(pid, 1) and not _shm_names(pid, 2)
     with pytest.raises(LLMException) as info:
         src.tensors()
     assert info.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED

@@ -399,10 +399,11 @@ def worker_main() -> None:
                     fds = [s.fileno() for s in socks]
                     a = arrays[req["name"]]
                     try:
+                        tag = int(req.get("tag", 7))
                         if req["dir"] == "send":
-                            n.sock_send(fds, plan, bases(a), ctl)
+                            n.sock_send(fds, plan, bases(a), ctl, tag=tag)
                         else:
-                            n.sock_recv(fds, plan, bases(a), ctl)
+                            n.sock_recv(fds, plan, bases(a), ctl, tag=tag)
                     except n.NativeError as e:
                         reply(**_native_error(e))
                     else:
@@ -411,10 +412,12 @@ def worker_main() -> None:
                     for s in socks:
                         s.close()
             elif op == "send_raw":
-                # Connect one stream, send `nbytes` bytes of array `name`, keep it open.
+                # Connect one stream, send `nbytes` bytes of array `name` (after a
+                # stream header when `header` = [tag, nbytes] is given), keep it open.
                 (s,) = _connect_streams(req["port"], 1)
                 held.append(s)
-                s.sendall(arrays[req["name"]].reshape(-1)[: req["nbytes"]].tobytes())
+                head = n.sock_header(*req["header"]) if req.get("header") else b""
+                s.sendall(head + arrays[req["name"]].reshape(-1)[: req["nbytes"]].tobytes())
                 reply(ok=True)
             elif op == "connect_idle":
                 # Connect one stream and never read from it.
@@ -444,11 +447,25 @@ def worker_main() -> None:
                 seg = n.ShmSegment.create(req["shm"], req["size"])
                 shms[req["shm"]] = seg
                 np.frombuffer(seg, dtype=np.uint8)[:] = req["fill"]
-                reply(ok=True, addr=seg.addr)
+                # The parent reopens the memfd through /proc/<pid>/fd/<fd> (same user).
+                reply(ok=True, addr=seg.addr, fd=seg.fd)
             elif op == "shm_open":
-                seg = n.ShmSegment.open(req["shm"], req["size"], req["writable"])
+                # Maps a segment the parent made, reopened through its /proc fd link (the
+                # library passes fds over a Unix socket instead; the mapping is the same).
+                fd = os.open(req["fd_path"], os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    seg = n.ShmSegment.from_fd(fd, req["size"], req["writable"], req["shm"])
+                finally:
+                    os.close(fd)
                 shms[req["shm"]] = seg
                 reply(ok=True, addr=seg.addr, owner=seg.owner)
+            elif op == "shm_truncate":
+                # What a hostile owner would try on a segment its peer maps.
+                try:
+                    os.ftruncate(shms[req["shm"]].fd, req["size"])
+                    reply(ok=True)
+                except OSError as e:
+                    reply(ok=False, errno=e.errno)
             elif op == "shm_copy":
                 # copy_local between a mapped shm segment (tensors laid end to end) and an array.
                 seg = shms[req["shm"]]

@@ -38,6 +38,16 @@ from aiodatadist._native import Status
 CHUNK = n.CHUNK_BYTES
 BB = 2048
 PROMPT = 2.0  # generous bound for "returns promptly"
+TAG = 7  # the transfer tag both ends of these tests use (the worker's default too)
+HDR = n.SOCK_HEADER_BYTES
+
+
+def send(fds: list[int], plan: n.Plan, src: list[int], ctl: n.Control, tag: int = TAG) -> None:
+    n.sock_send(fds, plan, src, ctl, tag=tag)
+
+
+def recv(fds: list[int], plan: n.Plan, dst: list[int], ctl: n.Control, tag: int = TAG) -> None:
+    n.sock_recv(fds, plan, dst, ctl, tag=tag)
 
 
 @contextlib.contextmanager
@@ -73,8 +83,8 @@ def transfer_in_process(
 ) -> tuple[int, int]:
     with socketpairs(streams) as (tx, rx):
         send_ctl, recv_ctl = n.Control(), n.Control()
-        sender = Background(n.sock_send, fds(tx), plan, bases(src), send_ctl)
-        n.sock_recv(fds(rx), plan, bases(dst), recv_ctl)
+        sender = Background(send, fds(tx), plan, bases(src), send_ctl)
+        recv(fds(rx), plan, bases(dst), recv_ctl)
         sender.join()
     assert send_ctl.total == recv_ctl.total == plan.total_bytes
     return send_ctl.bytes_done, recv_ctl.bytes_done
@@ -128,8 +138,8 @@ def test_blocking_mode_of_the_fds_is_restored() -> None:
     with socketpairs(1) as (tx, rx):
         rx[0].setblocking(False)
         send_ctl = n.Control()
-        sender = Background(n.sock_send, fds(tx), plan, bases(src), send_ctl)
-        n.sock_recv(fds(rx), plan, bases(dst), n.Control())
+        sender = Background(send, fds(tx), plan, bases(src), send_ctl)
+        recv(fds(rx), plan, bases(dst), n.Control())
         sender.join()
         assert not fcntl.fcntl(tx[0].fileno(), fcntl.F_GETFL) & os.O_NONBLOCK
         assert fcntl.fcntl(rx[0].fileno(), fcntl.F_GETFL) & os.O_NONBLOCK
@@ -146,13 +156,13 @@ def test_signals_during_a_blocked_recv_are_survived() -> None:
         for _ in range(5):
             time.sleep(0.02)
             signal.pthread_kill(main, signal.SIGUSR1)
-        n.sock_send(fds(tx), plan, bases(src), n.Control())
+        send(fds(tx), plan, bases(src), n.Control())
 
     try:
         with socketpairs(1) as (tx, rx):
             sender = Background(late_sender, tx)
             ctl = n.Control()
-            n.sock_recv(fds(rx), plan, bases(dst), ctl)
+            recv(fds(rx), plan, bases(dst), ctl)
             sender.join()
     finally:
         signal.signal(signal.SIGUSR1, old)
@@ -168,12 +178,12 @@ def test_peer_close_mid_recv_is_peer_closed() -> None:
     _, dst, plan, _ = block_case(4, seed=7)
     part = plan.total_bytes // 3
     with socketpairs(1) as (tx, rx):
-        tx[0].sendall(b"x" * part)
+        tx[0].sendall(n.sock_header(TAG, plan.total_bytes) + b"x" * part)
         tx[0].close()
         ctl = n.Control()
         start = time.monotonic()
         with raises(Status.PEER_CLOSED, f"after {part} of {plan.total_bytes} bytes"):
-            n.sock_recv(fds(rx), plan, bases(dst), ctl)
+            recv(fds(rx), plan, bases(dst), ctl)
     assert time.monotonic() - start < PROMPT
     assert ctl.bytes_done == part
 
@@ -185,8 +195,12 @@ def test_peer_close_mid_send_is_peer_closed() -> None:
     plan = n.Plan.blocks(g, g, list(range(g.num_blocks)), list(range(g.num_blocks)), 0, 0, 1)
     with socketpairs(1) as (tx, rx):
         ctl = n.Control()
-        sender = Background(n.sock_send, fds(tx), plan, bases(src), ctl)
-        rx[0].recv(1000)
+        sender = Background(send, fds(tx), plan, bases(src), ctl)
+        got = 0
+        while got < HDR + 1000:  # the header and some payload: the sender is mid-transfer
+            chunk = rx[0].recv(HDR + 1000 - got)
+            assert chunk, "the sender closed early"
+            got += len(chunk)
         rx[0].close()
         err = sender.join_error(PROMPT * 5)
     assert isinstance(err, n.NativeError) and err.status == Status.PEER_CLOSED, err
@@ -204,7 +218,7 @@ def test_abort_during_blocked_recv_returns_promptly() -> None:
         timer.start()
         try:
             with raises(Status.ABORTED):
-                n.sock_recv(fds(rx), plan, bases(dst), ctl)  # the peer sends nothing
+                recv(fds(rx), plan, bases(dst), ctl)  # the peer sends nothing
         finally:
             timer.cancel()
             timer.join()
@@ -226,7 +240,7 @@ def test_abort_during_blocked_send_returns_promptly() -> None:
         timer.start()
         try:
             with raises(Status.ABORTED):
-                n.sock_send(fds(tx), plan, bases(src), ctl)  # nobody reads
+                send(fds(tx), plan, bases(src), ctl)  # nobody reads
         finally:
             timer.cancel()
             timer.join()
@@ -243,8 +257,8 @@ def test_abort_mid_transfer_stops_within_one_chunk() -> None:
     plan = n.Plan.blocks(g, g, list(range(g.num_blocks)), list(range(g.num_blocks)), 0, 0, 1)
     with socketpairs(1) as (tx, rx):
         send_ctl, recv_ctl = n.Control(), n.Control()
-        sender = Background(n.sock_send, fds(tx), plan, bases(src), send_ctl)
-        receiver = Background(n.sock_recv, fds(rx), plan, bases(dst), recv_ctl)
+        sender = Background(send, fds(tx), plan, bases(src), send_ctl)
+        receiver = Background(recv, fds(rx), plan, bases(dst), recv_ctl)
         at_abort = abort_after(recv_ctl, 2 * CHUNK)
         err = receiver.join_error()
         send_ctl.abort()
@@ -261,11 +275,87 @@ def test_abort_before_start_sends_nothing() -> None:
         ctl = n.Control()
         ctl.abort()
         with raises(Status.ABORTED):
-            n.sock_send(fds(tx), plan, bases(src), ctl)
+            send(fds(tx), plan, bases(src), ctl)
         rx[0].setblocking(False)
         with pytest.raises(BlockingIOError):
             rx[0].recv(1)
     assert ctl.bytes_done == 0
+
+
+# ------------------------------------------------------------------ transfer identity
+
+
+def test_stream_header_layout() -> None:
+    # magic, tag (u64 LE), the stream's payload bytes (u64 LE): both ends build it natively.
+    h = n.sock_header(0x0102030405060708, 4096)
+    assert len(h) == HDR == 24
+    assert h[:8] == b"AIODDST1"
+    assert int.from_bytes(h[8:16], "little") == 0x0102030405060708
+    assert int.from_bytes(h[16:24], "little") == 4096
+
+
+def test_recv_refuses_another_transfers_stream_and_writes_nothing() -> None:
+    # The sender sends transfer 41's bytes (a full, valid stream); the receiver waits for
+    # transfer 42 on that stream: it must fail before writing a byte of 41's payload.
+    src, dst, plan, _ = block_case(1, seed=21)
+    before = dst.copy()
+    with socketpairs(1) as (tx, rx):
+        sender = Background(send, fds(tx), plan, bases(src), n.Control(), 41)
+        ctl = n.Control()
+        with raises(Status.STALE, "carries transfer 41, not transfer 42"):
+            recv(fds(rx), plan, bases(dst), ctl, tag=42)
+        rx[0].close()  # the sender may still be writing 41's payload
+        sender.join_error()
+    assert ctl.bytes_done == 0
+    assert np.array_equal(dst, before), differing(dst, before)
+
+
+def test_recv_refuses_a_header_with_another_byte_count() -> None:
+    _, dst, plan, _ = block_case(1, seed=22)
+    before = dst.copy()
+    with socketpairs(1) as (tx, rx):
+        tx[0].sendall(n.sock_header(TAG, plan.total_bytes - 1) + b"\xee" * plan.total_bytes)
+        with raises(Status.STALE, f"announces {plan.total_bytes - 1} bytes"):
+            recv(fds(rx), plan, bases(dst), n.Control())
+    assert np.array_equal(dst, before), differing(dst, before)
+
+
+def test_recv_refuses_a_stream_out_of_step() -> None:
+    # Payload bytes where a header should start (a stream that lost its place).
+    _, dst, plan, _ = block_case(1, seed=23)
+    before = dst.copy()
+    with socketpairs(2) as (tx, rx):
+        for t in tx:
+            t.sendall(b"\xee" * (HDR + 1000))
+        with raises(Status.STALE, "out of step"):
+            recv(fds(rx), plan, bases(dst), n.Control())
+    assert np.array_equal(dst, before), differing(dst, before)
+
+
+def test_stale_bytes_ahead_of_the_awaited_transfer_are_never_delivered() -> None:
+    # The tcp failure mode this guards against: transfer 5 was given up by the receiver,
+    # but its sender still wrote it on the stream; the receiver's next transfer (6) must
+    # not take 5's bytes as its own.
+    src, dst, plan, _ = block_case(2, seed=24)
+    other = pattern(src.shape[0], src.shape[1], seed=99)
+    before = dst.copy()
+    with socketpairs(2) as (tx, rx):
+        old = Background(send, fds(tx), plan, bases(other), n.Control(), 5)
+        with raises(Status.STALE, "carries transfer 5, not transfer 6"):
+            recv(fds(rx), plan, bases(dst), n.Control(), tag=6)
+        for r in rx:
+            r.close()
+        old.join_error()
+    assert np.array_equal(dst, before), differing(dst, before)
+
+
+def test_header_then_close_is_peer_closed() -> None:
+    _, dst, plan, _ = block_case(1, seed=25)
+    with socketpairs(1) as (tx, rx):
+        tx[0].sendall(n.sock_header(TAG, plan.total_bytes)[:10])
+        tx[0].close()
+        with raises(Status.PEER_CLOSED, "before the transfer's stream header"):
+            recv(fds(rx), plan, bases(dst), n.Control())
 
 
 # ------------------------------------------------------------------ bad arguments
@@ -274,15 +364,15 @@ def test_abort_before_start_sends_nothing() -> None:
 def test_bad_arguments() -> None:
     src, dst, plan, _ = block_case(1, seed=10)
     with raises(Status.PARAM_INVALID, "no socket fds"):
-        n.sock_send([], plan, bases(src), n.Control())
+        send([], plan, bases(src), n.Control())
     with raises(Status.PARAM_INVALID, "negative"):
-        n.sock_recv([-1], plan, bases(dst), n.Control())
+        recv([-1], plan, bases(dst), n.Control())
     with raises(Status.PARAM_INVALID, "source addresses"):
-        n.sock_send([0], plan, [], n.Control())
+        send([0], plan, [], n.Control())
     with raises(Status.PARAM_INVALID, "destination addresses"):
-        n.sock_recv([0], plan, [], n.Control())
+        recv([0], plan, [], n.Control())
     with raises(Status.PARAM_INVALID, "expected 3 destination addresses, got 2"):
-        n.sock_recv([0], plan, bases(dst)[:2], n.Control())
+        recv([0], plan, bases(dst)[:2], n.Control())
     # Not a just-closed fd: its number could be handed out again before the call
     # (to the very eventfd of a Control), and the mover would wait on that.
     closed_fd = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 1
@@ -290,13 +380,13 @@ def test_bad_arguments() -> None:
         os.fstat(closed_fd)
     ctl = n.Control()
     with raises(Status.PARAM_INVALID, "not a connected stream socket"):
-        n.sock_recv([closed_fd], plan, bases(dst), ctl)
+        recv([closed_fd], plan, bases(dst), ctl)
     # A descriptor that is open but not a socket (here an eventfd-like pipe end)
     # is refused up front instead of being waited on forever.
     r, w = os.pipe()
     try:
         with raises(Status.PARAM_INVALID, "not a connected stream socket"):
-            n.sock_recv([r], plan, bases(dst), n.Control())
+            recv([r], plan, bases(dst), n.Control())
     finally:
         os.close(r)
         os.close(w)
@@ -346,9 +436,9 @@ def test_tcp_between_processes(
         try:
             ctl = n.Control()
             if direction == "pull":
-                n.sock_recv(fds(conns), plan, bases(dst), ctl)
+                recv(fds(conns), plan, bases(dst), ctl)
             else:
-                n.sock_send(fds(conns), plan, bases(src), ctl)
+                send(fds(conns), plan, bases(src), ctl)
         finally:
             for c in conns:
                 c.close()
@@ -385,7 +475,7 @@ def test_tcp_more_segments_than_iov_max(shared_worker: Worker) -> None:
         )
         conns = accept_streams(lst, 2)
         try:
-            n.sock_recv(fds(conns), plan, bases(dst), n.Control())
+            recv(fds(conns), plan, bases(dst), n.Control())
         finally:
             for c in conns:
                 c.close()
@@ -399,7 +489,13 @@ def test_tcp_peer_killed_mid_recv_is_peer_closed(worker: Worker) -> None:
     part = plan.total_bytes // 2
     worker.call(op="alloc", name="s", rows=1, cols=part, seed=1)
     with contextlib.closing(tcp_listener()) as lst:
-        worker.send(op="send_raw", port=lst.getsockname()[1], name="s", nbytes=part)
+        worker.send(
+            op="send_raw",
+            port=lst.getsockname()[1],
+            name="s",
+            nbytes=part,
+            header=[TAG, plan.total_bytes],
+        )
         (conn,) = accept_streams(lst, 1)
         with conn:
             assert worker.recv()["ok"]
@@ -409,7 +505,7 @@ def test_tcp_peer_killed_mid_recv_is_peer_closed(worker: Worker) -> None:
             start = time.monotonic()
             try:
                 with raises(Status.PEER_CLOSED, f"after {part} of"):
-                    n.sock_recv([conn.fileno()], plan, bases(dst), ctl)
+                    recv([conn.fileno()], plan, bases(dst), ctl)
             finally:
                 killer.cancel()
                 killer.join()
@@ -428,7 +524,7 @@ def test_tcp_peer_killed_mid_send_is_peer_closed(worker: Worker) -> None:
         with conn:
             assert worker.recv()["ok"]
             ctl = n.Control()
-            sender = Background(n.sock_send, [conn.fileno()], plan, bases(src), ctl)
+            sender = Background(send, [conn.fileno()], plan, bases(src), ctl)
             abort_after_fill = time.monotonic() + 10
             while ctl.bytes_done == 0 and time.monotonic() < abort_after_fill:
                 time.sleep(0.01)

@@ -247,13 +247,14 @@ async def test_echo_server_round_trips_every_type() -> None:
     assert log.errors[0].clean
 
 
+_V = w.PROTOCOL_VERSION
 GARBAGE: list[tuple[str, bytes, type[BaseException]]] = [
     ("http", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", WireError),
     ("zeros", bytes(64), WireError),
     ("random", random.Random(7).randbytes(200), WireError),
     ("bad-version", raw_frame(MsgType.PING, {"t": 1}, version=9), w.VersionMismatch),
-    ("huge-json", w.HEADER.pack(b"ADDW", 1, MsgType.TABLE, 0, 2**30, 0), WireError),
-    ("huge-binary", w.HEADER.pack(b"ADDW", 1, MsgType.PULL, 0, 2, 2**31), WireError),
+    ("huge-json", w.HEADER.pack(b"ADDW", _V, MsgType.TABLE, 0, 2**30, 0), WireError),
+    ("huge-binary", w.HEADER.pack(b"ADDW", _V, MsgType.PULL, 0, 2, 2**31), WireError),
     ("bad-schema", raw_frame(MsgType.PING, {"t": 1, "evil": True}), WireError),
     ("pickle", raw_frame(MsgType.PING, json_bytes=b"\x80\x04\x95\x05" + bytes(20)), WireError),
     ("unknown-type", raw_frame(200, {"t": 1}), WireError),
@@ -505,7 +506,7 @@ async def test_server_refuses_replayed_auth() -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         nonce_c = w.new_nonce()
         hello = {
-            "version": 1,
+            "version": w.PROTOCOL_VERSION,
             "cluster_id": CLIENT_ID,
             "host_id": "c",
             "pid": 5,

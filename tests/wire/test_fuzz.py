@@ -98,7 +98,7 @@ def test_random_json_values() -> None:
 
 
 def _random_json(rng: random.Random, depth: int) -> Any:
-    keys = ["t", "mac", "req", "table", "version", "nonce", "cluster_id", "x", ""]
+    keys = ["t", "mac", "req", "epoch", "table", "version", "nonce", "cluster_id", "x", ""]
     kind = rng.randrange(9 if depth > 0 else 7)
     if kind == 0:
         return None

@@ -29,7 +29,9 @@ HELLO = {
 def _inputs(seed: int, count: int) -> list[bytes]:
     rng = random.Random(seed)
     hello = w.encode(w.MsgType.HELLO, HELLO)
-    data_hello = w.encode(w.MsgType.DATA_HELLO, {"link_token": "00" * 16, "stream": 0})
+    data_hello = w.encode(
+        w.MsgType.DATA_HELLO, {"link_token": "00" * 16, "stream": 0, "epoch": 1}
+    )
     out: list[bytes] = [b"", b"\x00", hello[:3], hello[:16], hello[:-1], data_hello]
     for _ in range(count):
         kind = rng.randrange(4)

@@ -63,6 +63,9 @@ def shm_cache(cache_id: int = 8) -> dict[str, Any]:
     }
 
 
+V = w.PROTOCOL_VERSION
+
+
 def sample_segments() -> np.ndarray:
     return np.array([[0, 0, 0, 4096, 4096], [1, 8192, 1, 0, 4096], [3, 0, 3, 0, 65536]], np.uint64)
 
@@ -102,19 +105,34 @@ def samples() -> dict[MsgType, tuple[dict[str, Any], bytes]]:
         MsgType.REFUSE: ({"status": w.AUTH_FAILED_STATUS, "reason": w.AUTH_FAILED_REASON}, b""),
         MsgType.TABLE: ({"version": 3, "table": [shm_cache()]}, b""),
         MsgType.PULL: (
-            {"req": 9, "cache_id": 7, "dst_geometry": geometry, "deadline_ms": 1000, "streams": 4},
+            {
+                "req": 9,
+                "cache_id": 7,
+                "dst_geometry": geometry,
+                "deadline_ms": 1000,
+                "streams": 4,
+                "epoch": 3,
+            },
             segs,
         ),
         MsgType.PUSH: (
-            {"req": 10, "cache_id": 7, "src_geometry": geometry, "deadline_ms": 1, "streams": 16},
+            {
+                "req": 10,
+                "cache_id": 7,
+                "src_geometry": geometry,
+                "deadline_ms": 1,
+                "streams": 16,
+                "epoch": 2**64 - 1,
+            },
             segs,
         ),
         MsgType.DONE: ({"req": 9, "status": 0, "info": ""}, b""),
         MsgType.UNLINK: ({"cluster_id": 5}, b""),
         MsgType.PING: ({"t": 12345}, b""),
         MsgType.PONG: ({"t": 1.5}, b""),
-        MsgType.DATA_HELLO: ({"link_token": TOKEN, "stream": 15}, b""),
+        MsgType.DATA_HELLO: ({"link_token": TOKEN, "stream": 15, "epoch": 1}, b""),
         MsgType.ERROR: ({"status": 0xFFFFFFFF, "info": "naïve ünïcödé ✓"}, b""),
+        MsgType.CANCEL: ({"req": 9, "epoch": 3}, b""),
     }
 
 
@@ -153,7 +171,7 @@ def feed(data: bytes, *, eof: bool = True) -> asyncio.StreamReader:
 def test_samples_cover_every_type() -> None:
     assert set(samples()) == set(MsgType)
     assert set(w.SCHEMAS) == set(MsgType)
-    assert [int(t) for t in MsgType] == list(range(1, 15))
+    assert [int(t) for t in MsgType] == list(range(1, 16))
 
 
 @pytest.mark.parametrize("msg_type", list(MsgType), ids=lambda t: t.name)
@@ -178,7 +196,7 @@ def test_header_layout() -> None:
     assert w.HEADER_SIZE == 16
     assert frame[:4] == b"ADDW"
     magic, version, t, flags, jlen, blen = struct.unpack("!4sBBHII", frame[:16])
-    assert (magic, version, t, flags, blen) == (b"ADDW", 1, 11, 0, 0)
+    assert (magic, version, t, flags, blen) == (b"ADDW", V, 11, 0, 0)
     assert frame[16:] == b'{"t":1}' and jlen == 7
 
 
@@ -265,6 +283,8 @@ REJECTIONS: list[tuple[str, MsgType, Mutation, str]] = [
     # missing / unknown
     ("missing", MsgType.HELLO, _del("nonce"), "missing field 'nonce'"),
     ("missing-mac", MsgType.WELCOME, _del("mac"), "missing field 'mac'"),
+    ("missing-epoch", MsgType.DATA_HELLO, _del("epoch"), "missing field 'epoch'"),
+    ("pull-missing-epoch", MsgType.PULL, _del("epoch"), "missing field 'epoch'"),
     ("unknown", MsgType.HELLO, _set("extra", 1), "unknown field 'extra'"),
     ("unknown-auth", MsgType.AUTH, _set("user", "x"), "unknown field 'user'"),
     ("unknown-ping", MsgType.PING, _set("x", 1), "unknown field 'x'"),
@@ -296,6 +316,11 @@ REJECTIONS: list[tuple[str, MsgType, Mutation, str]] = [
     ("streams-17", MsgType.PULL, _set("streams", 17), "out of range"),
     ("streams-0", MsgType.PUSH, _set("streams", 0), "out of range"),
     ("stream-16", MsgType.DATA_HELLO, _set("stream", 16), "out of range"),
+    ("epoch-negative", MsgType.DATA_HELLO, _set("epoch", -1), "out of range"),
+    ("epoch-overflow", MsgType.PULL, _set("epoch", 2**64), "out of range"),
+    ("epoch-bool", MsgType.PUSH, _set("epoch", True), "expected int, got bool"),
+    ("cancel-req-negative", MsgType.CANCEL, _set("req", -1), "out of range"),
+    ("cancel-epoch-str", MsgType.CANCEL, _set("epoch", "1"), "expected int"),
     ("status-u32", MsgType.DONE, _set("status", 2**32), "out of range"),
     ("role-4", MsgType.HELLO, _set("role", 4), "not one of"),
     ("role-0", MsgType.WELCOME, _set("role", 0), "not one of"),
@@ -506,29 +531,33 @@ def test_non_ascii_strings_round_trip() -> None:
         (w.HEADER.pack(b"ADDX", 1, 11, 0, 7, 0), WireError, "bad magic"),
         (w.HEADER.pack(b"GET ", 1, 11, 0, 7, 0), WireError, "bad magic"),
         (w.HEADER.pack(b"ADDW", 0, 11, 0, 7, 0), w.VersionMismatch, "peer speaks version 0"),
-        (w.HEADER.pack(b"ADDW", 2, 11, 0, 7, 0), w.VersionMismatch, "this side speaks version 1"),
-        (w.HEADER.pack(b"ADDW", 1, 0, 0, 7, 0), WireError, "unknown message type 0"),
-        (w.HEADER.pack(b"ADDW", 1, 15, 0, 7, 0), WireError, "unknown message type 15"),
-        (w.HEADER.pack(b"ADDW", 1, 255, 0, 7, 0), WireError, "unknown message type 255"),
-        (w.HEADER.pack(b"ADDW", 1, 11, 1, 7, 0), WireError, "unknown flag bits 0x0001"),
-        (w.HEADER.pack(b"ADDW", 1, 11, 0x8000, 7, 0), WireError, "unknown flag bits 0x8000"),
-        (w.HEADER.pack(b"ADDW", 1, 11, 0, 1, 0), WireError, "cannot be an object"),
-        (w.HEADER.pack(b"ADDW", 1, 11, 0, 0, 0), WireError, "cannot be an object"),
-        (w.HEADER.pack(b"ADDW", 1, 11, 0, w.MAX_SMALL_JSON + 1, 0), WireError, "exceeds 65536"),
-        (w.HEADER.pack(b"ADDW", 1, 1, 0, 2**32 - 1, 0), WireError, "exceeds"),
-        (w.HEADER.pack(b"ADDW", 1, 6, 0, w.MAX_JSON + 1, 0), WireError, f"exceeds {w.MAX_JSON}"),
-        (w.HEADER.pack(b"ADDW", 1, 4, 0, 2**30, 0), WireError, f"exceeds {w.MAX_JSON}"),
-        (w.HEADER.pack(b"ADDW", 1, 11, 0, 7, 40), WireError, "carries no binary tail"),
-        (w.HEADER.pack(b"ADDW", 1, 6, 0, 7, 1), WireError, "carries no binary tail"),
-        (w.HEADER.pack(b"ADDW", 1, 7, 0, 7, 41), WireError, "not a multiple of 40"),
-        (w.HEADER.pack(b"ADDW", 1, 8, 0, 7, 39), WireError, "not a multiple of 40"),
         (
-            w.HEADER.pack(b"ADDW", 1, 7, 0, 7, 40 * (w.MAX_SEGMENTS + 1)),
+            w.HEADER.pack(b"ADDW", V + 1, 11, 0, 7, 0),
+            w.VersionMismatch,
+            f"this side speaks version {V}",
+        ),
+        (w.HEADER.pack(b"ADDW", V, 0, 0, 7, 0), WireError, "unknown message type 0"),
+        (w.HEADER.pack(b"ADDW", V, 16, 0, 7, 0), WireError, "unknown message type 16"),
+        (w.HEADER.pack(b"ADDW", V, 255, 0, 7, 0), WireError, "unknown message type 255"),
+        (w.HEADER.pack(b"ADDW", V, 11, 1, 7, 0), WireError, "unknown flag bits 0x0001"),
+        (w.HEADER.pack(b"ADDW", V, 11, 0x8000, 7, 0), WireError, "unknown flag bits 0x8000"),
+        (w.HEADER.pack(b"ADDW", V, 11, 0, 1, 0), WireError, "cannot be an object"),
+        (w.HEADER.pack(b"ADDW", V, 11, 0, 0, 0), WireError, "cannot be an object"),
+        (w.HEADER.pack(b"ADDW", V, 11, 0, w.MAX_SMALL_JSON + 1, 0), WireError, "exceeds 65536"),
+        (w.HEADER.pack(b"ADDW", V, 1, 0, 2**32 - 1, 0), WireError, "exceeds"),
+        (w.HEADER.pack(b"ADDW", V, 6, 0, w.MAX_JSON + 1, 0), WireError, f"exceeds {w.MAX_JSON}"),
+        (w.HEADER.pack(b"ADDW", V, 4, 0, 2**30, 0), WireError, f"exceeds {w.MAX_JSON}"),
+        (w.HEADER.pack(b"ADDW", V, 11, 0, 7, 40), WireError, "carries no binary tail"),
+        (w.HEADER.pack(b"ADDW", V, 6, 0, 7, 1), WireError, "carries no binary tail"),
+        (w.HEADER.pack(b"ADDW", V, 7, 0, 7, 41), WireError, "not a multiple of 40"),
+        (w.HEADER.pack(b"ADDW", V, 8, 0, 7, 39), WireError, "not a multiple of 40"),
+        (
+            w.HEADER.pack(b"ADDW", V, 7, 0, 7, 40 * (w.MAX_SEGMENTS + 1)),
             WireError,
             "segments exceed",
         ),
-        (w.HEADER.pack(b"ADDW", 1, 7, 0, 7, w.MAX_BINARY + 40), WireError, "exceeds 67108864"),
-        (w.HEADER.pack(b"ADDW", 1, 7, 0, 7, 2**32 - 8), WireError, "exceeds 67108864"),
+        (w.HEADER.pack(b"ADDW", V, 7, 0, 7, w.MAX_BINARY + 40), WireError, "exceeds 67108864"),
+        (w.HEADER.pack(b"ADDW", V, 7, 0, 7, 2**32 - 8), WireError, "exceeds 67108864"),
     ],
 )
 def test_header_rejection(header: bytes, exc: type[Exception], match: str) -> None:
@@ -537,12 +566,12 @@ def test_header_rejection(header: bytes, exc: type[Exception], match: str) -> No
 
 
 def test_header_limits_are_inclusive() -> None:
-    assert w.decode_header(w.HEADER.pack(b"ADDW", 1, 6, 0, w.MAX_JSON, 0)).json_len == w.MAX_JSON
+    assert w.decode_header(w.HEADER.pack(b"ADDW", V, 6, 0, w.MAX_JSON, 0)).json_len == w.MAX_JSON
     assert (
-        w.decode_header(w.HEADER.pack(b"ADDW", 1, 4, 0, w.MAX_JSON, 0)).msg_type is MsgType.WELCOME
+        w.decode_header(w.HEADER.pack(b"ADDW", V, 4, 0, w.MAX_JSON, 0)).msg_type is MsgType.WELCOME
     )
-    assert w.decode_header(w.HEADER.pack(b"ADDW", 1, 11, 0, w.MAX_SMALL_JSON, 0)).flags == 0
-    h = w.decode_header(w.HEADER.pack(b"ADDW", 1, 7, 0, 2, 40 * w.MAX_SEGMENTS))
+    assert w.decode_header(w.HEADER.pack(b"ADDW", V, 11, 0, w.MAX_SMALL_JSON, 0)).flags == 0
+    h = w.decode_header(w.HEADER.pack(b"ADDW", V, 7, 0, 2, 40 * w.MAX_SEGMENTS))
     assert h.bin_len == 40 * w.MAX_SEGMENTS <= w.MAX_BINARY
 
 
@@ -553,16 +582,17 @@ def test_header_wrong_size(size: int) -> None:
 
 
 def test_version_mismatch_names_both_versions() -> None:
-    body = dict(samples()[MsgType.HELLO][0], version=2, new_field_of_v2=[1, 2])
+    body = dict(samples()[MsgType.HELLO][0], version=V + 1, new_field_of_next=[1, 2])
     with pytest.raises(w.VersionMismatch) as info:
         w.decode(raw_frame(MsgType.HELLO, body))
-    assert "version 2" in str(info.value) and "version 1" in str(info.value)
-    assert (info.value.local, info.value.remote) == (1, 2)
+    assert f"version {V + 1}" in str(info.value) and f"version {V}" in str(info.value)
+    assert (info.value.local, info.value.remote) == (V, V + 1)
     assert isinstance(info.value, WireError)
     with pytest.raises(w.VersionMismatch, match="peer speaks version 7"):
         w.decode(raw_frame(MsgType.HELLO, {"version": 7}))
-    with pytest.raises(w.VersionMismatch, match="peer speaks version 2"):
-        w.decode(raw_frame(MsgType.HELLO, samples()[MsgType.HELLO][0], version=2))
+    with pytest.raises(w.VersionMismatch, match="peer speaks version 1"):
+        # The version before transfer identity (stream epochs, CANCEL): refused.
+        w.decode(raw_frame(MsgType.HELLO, samples()[MsgType.HELLO][0], version=1))
     with pytest.raises(w.VersionMismatch):
         w.encode(MsgType.HELLO, body)
 
@@ -695,10 +725,10 @@ async def test_read_message_reset_is_connection_closed() -> None:
 @pytest.mark.parametrize(
     "header",
     [
-        w.HEADER.pack(b"ADDW", 1, MsgType.TABLE, 0, 2**30, 0),  # 1 GiB of JSON
-        w.HEADER.pack(b"ADDW", 1, MsgType.PULL, 0, 2, 2**30),  # 1 GiB of segments
-        w.HEADER.pack(b"ADDW", 1, MsgType.HELLO, 0, 2**32 - 1, 0),
-        w.HEADER.pack(b"ADDW", 1, MsgType.PING, 0, 2, 2**32 - 1),
+        w.HEADER.pack(b"ADDW", V, MsgType.TABLE, 0, 2**30, 0),  # 1 GiB of JSON
+        w.HEADER.pack(b"ADDW", V, MsgType.PULL, 0, 2, 2**30),  # 1 GiB of segments
+        w.HEADER.pack(b"ADDW", V, MsgType.HELLO, 0, 2**32 - 1, 0),
+        w.HEADER.pack(b"ADDW", V, MsgType.PING, 0, 2, 2**32 - 1),
     ],
     ids=["json-1GiB", "segments-1GiB", "hello-4GiB", "ping-binary"],
 )
@@ -722,7 +752,7 @@ async def test_limits_checked_from_header_before_body(header: bytes) -> None:
 @pytest.mark.asyncio
 async def test_accept_refuses_from_the_header() -> None:
     """An unexpected type is refused before its (legal, 4 MiB) body is read."""
-    header = w.HEADER.pack(b"ADDW", 1, MsgType.WELCOME, 0, w.MAX_JSON, 0)
+    header = w.HEADER.pack(b"ADDW", V, MsgType.WELCOME, 0, w.MAX_JSON, 0)
     reader = feed(header, eof=False)
     with pytest.raises(WireError, match="expected HELLO or DATA_HELLO, got WELCOME"):
         await w.read_message(reader, timeout=5, accept=(MsgType.HELLO, MsgType.DATA_HELLO))

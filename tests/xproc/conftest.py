@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from xproc_harness import LIVE_PIDS, remove_segments
+from xproc_harness import LIVE_PIDS, leftover_segments
 
 
 @pytest.fixture(autouse=True)
@@ -26,4 +26,5 @@ def _reap_peers() -> Iterator[None]:
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(pid, 0)
         LIVE_PIDS.discard(pid)
-        remove_segments(pid)
+        # Nameless segments: a killed peer leaves nothing in /dev/shm to clean up.
+        assert not leftover_segments(pid), leftover_segments(pid)

@@ -9,8 +9,17 @@ then answers one JSON command per stdin line with one JSON line, until
 
 Commands (``cmd``; every reply has ``ok`` and, on failure, ``status``/``error``):
 
-* ``register`` ``{name, model_id, seed, allocate}``: a new blocks cache (after the link).
-* ``free`` ``{name}``: deallocates (or unregisters) one of them.
+* ``register`` ``{name, model_id, seed, allocate, num_blocks}``: a new blocks cache (after
+  the link); ``num_blocks`` (default 8) of 4 KiB per tensor.
+* ``free`` ``{name, fill}``: deallocates (or unregisters) one of them; with ``fill``, then
+  overwrites its (freed) memory with that byte, as a reuse of it would; replies
+  ``seconds`` (how long the free took).
+* ``cycle`` ``{name, model_id, allocate, seeds, fill, pause_ms}``: for each seed, frees
+  ``name``, overwrites the freed memory with ``fill``, and registers a new cache under
+  the same ``model_id`` filled from the seed (registered caches reuse the same memory);
+  pauses ``pause_ms`` between rounds.
+* ``truncate`` ``{name, size}``: tries to ``ftruncate`` the cache's segment (a hostile
+  owner); replies ``errno`` (0 when it worked).
 * ``link`` / ``unlink`` ``{cluster_id, host, port, timeout}``: ``link_clusters`` /
   ``unlink_clusters``; replies ``status`` and ``statuses``.
 * ``links``: ``[{cluster_id, data_path}]``.
@@ -21,6 +30,8 @@ Commands (``cmd``; every reply has ``ok`` and, on failure, ``status``/``error``)
   src_layers, dst_layers}``: ``transfer_cache_async`` to a linked peer; replies
   ``status`` and ``results``.
 * ``digest`` ``{name}``: sha256 per tensor of one local cache.
+* ``serve_stats`` ``{cluster_id?}``: the serving side's counters (served, failed,
+  stale, cancelled_queued, cancelled_running), summed over links.
 * ``quit``.
 """
 
@@ -32,6 +43,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -78,6 +90,9 @@ class PeerMain:
             opts["aiodatadist.SharedSecret"] = a.secret
         if a.tcp_streams:
             opts["aiodatadist.TcpStreams"] = str(a.tcp_streams)
+        for item in a.option:
+            key, _, value = item.partition("=")
+            opts[key] = value
         return opts
 
     def describe(self, local: xc.Local) -> dict[str, Any]:
@@ -108,15 +123,15 @@ class PeerMain:
             c["name"],
             True,
             bool(c.get("allocate", False)),
-            (xc.NUM_BLOCKS, *xc.BLOCK_SHAPE),
+            (int(c.get("num_blocks", xc.NUM_BLOCKS)), *xc.BLOCK_SHAPE),
             model_id=int(c["model_id"]),
         )
         local = xc.make_cache(self.dd, spec, c.get("seed"), self.args.cluster_id)
         self.caches[spec.name] = local
         return {"ok": True, **self.describe(local)}
 
-    async def cmd_free(self, c: dict[str, Any]) -> dict[str, Any]:
-        local = self.caches.pop(c["name"])
+    def _free(self, name: str, fill: int | None) -> xc.Local:
+        local = self.caches[name]
         cm = self.dd.cache_manager
         if not local.spec.allocate:
             cm.unregister_cache(local.cache.cache_id)
@@ -124,7 +139,58 @@ class PeerMain:
             cm.deallocate_blocks_cache(local.cache)
         else:
             cm.deallocate_cache(local.cache)
-        return {"ok": True}
+        del self.caches[name]
+        if fill is not None:
+            # The views keep the memory mapped: this is what reusing freed memory does.
+            for v in local.views:
+                v.fill(fill)
+        return local
+
+    async def cmd_free(self, c: dict[str, Any]) -> dict[str, Any]:
+        t0 = time.monotonic()
+        self._free(c["name"], c.get("fill"))
+        return {"ok": True, "seconds": time.monotonic() - t0}
+
+    async def cmd_cycle(self, c: dict[str, Any]) -> dict[str, Any]:
+        name, model_id = c["name"], int(c["model_id"])
+        allocate = bool(c.get("allocate", False))
+        busy = 0
+        for seed in c["seeds"]:
+            old = self.caches.get(name)
+            if old is not None:
+                try:
+                    self._free(name, int(c["fill"]))
+                except LLMException as e:
+                    busy += 1  # LLM_LINK_BUSY: a peer still copies; stays registered
+                    if "LINK_BUSY" not in str(e):
+                        raise
+                    await asyncio.sleep(int(c.get("pause_ms", 0)) / 1000)
+                    continue
+            shape = (xc.NUM_BLOCKS, *xc.BLOCK_SHAPE)
+            spec = xc.Spec(name, True, allocate, shape, model_id=model_id)
+            if old is not None and not allocate:
+                # Reuses the freed memory for the new registration, as an engine would.
+                cache = self.dd.cache_manager.register_blocks_cache(
+                    spec.desc(), old.keep, BlocksCacheKey(self.args.cluster_id, model_id)
+                )
+                local = xc.Local(spec, cache, old.views, old.keep)
+                ref = xc.pattern(int(seed), spec)
+                for t, v in enumerate(local.views):
+                    v[...] = ref[t]  # before the loop runs: before any peer hears of it
+            else:
+                local = xc.make_cache(self.dd, spec, int(seed), self.args.cluster_id)
+            self.caches[name] = local
+            await asyncio.sleep(int(c.get("pause_ms", 0)) / 1000)
+        return {"ok": True, "busy": busy}
+
+    async def cmd_truncate(self, c: dict[str, Any]) -> dict[str, Any]:
+        entry = self.dd.cache_manager._entries[self.caches[c["name"]].cache.cache_id]
+        assert entry.segment is not None
+        try:
+            os.ftruncate(entry.segment.fd, int(c.get("size", 0)))
+        except OSError as e:
+            return {"ok": True, "errno": e.errno}
+        return {"ok": True, "errno": 0}
 
     async def cmd_link(self, c: dict[str, Any]) -> dict[str, Any]:
         info = cluster_info(int(c["cluster_id"]), c["host"], int(c["port"]))
@@ -206,6 +272,18 @@ class PeerMain:
             "results": [None if r is None else int(r) for r in results],
         }
 
+    async def cmd_serve_stats(self, c: dict[str, Any]) -> dict[str, Any]:
+        """The serving side's counters (``_control.ServeStats``), summed over this
+        instance's links, or for the link to ``cluster_id``."""
+        total: dict[str, int] = {}
+        for lk in self.dd.links:
+            peer = getattr(lk.channel, "peer", None)
+            if peer is None or c.get("cluster_id") not in (None, lk.remote_cluster_id):
+                continue
+            for k, v in vars(peer.serve_stats).items():
+                total[k] = total.get(k, 0) + int(v)
+        return {"ok": True, "stats": total}
+
     async def cmd_digest(self, c: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True, "sha": xc.digests(self.caches[c["name"]].matrix())}
 
@@ -267,6 +345,7 @@ def main() -> None:
     p.add_argument("--sync-ms", type=int, default=5000)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--big-mib", type=int, default=0)
+    p.add_argument("--option", action="append", default=[], help="KEY=VALUE, any init option")
     args = p.parse_args()
     asyncio.run(amain(args))
 

@@ -110,10 +110,17 @@ async def test_a_peer_claiming_another_pid_gets_tcp_only() -> None:
         await asyncio.wait_for(victim.wait(), 5)
 
 
+def _mappings_of(label: str) -> int:
+    with open("/proc/self/maps") as f:
+        return sum(f"/memfd:{label} " in line for line in f)
+
+
 @pytest.mark.asyncio
 async def test_a_segment_that_is_not_the_peers_is_refused() -> None:
     # The fake prompt runs in this process, so its pid (ours) is verified; the segment it
-    # names belongs to a "process" 1, though, and must not be mapped.
+    # names belongs to a "process" 1, though. Segments are mapped only from fds the peer
+    # sends over its fd channel, under a lease: a peer that merely names one (no lease,
+    # no fd channel) gets nothing mapped, and a forced shm pull is refused.
     other = _native.ShmSegment.create(f"/aiodd-1-{os.getpid()}-not-yours", TENSOR)
     try:
         dd, server, stop = await _link_fake(os.getpid(), other.name, "shm")
@@ -125,8 +132,9 @@ async def test_a_segment_that_is_not_the_peers_is_refused() -> None:
                 await dd.cache_manager.pull_blocks(
                     BlocksCacheKey(FAKE, 0), dst.cache, [0], [0], timeout=2
                 )
-            assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
-            assert "not the peer's" in str(info.value)
+            assert info.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+            assert "no lease" in str(info.value)
+            assert _mappings_of(other.name) == 1  # only its creator's mapping
         finally:
             await _close(dd, server, stop)
     finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import threading
 from typing import Any
 
@@ -30,6 +31,7 @@ from xproc_harness import (
 
 from aiodatadist import BlocksCacheKey, LLMException, LLMRole, LLMStatusCode, _native
 from aiodatadist._caches import CacheEntry
+from aiodatadist._leases import FdChannel, LeasePage
 from aiodatadist.transports.base import Call
 from aiodatadist.transports.shm import ShmPath
 
@@ -194,8 +196,19 @@ async def test_shm_close_waits_for_the_copy_that_uses_the_mapping() -> None:
             shm_name=name,
             shm_size=tensor,
             shm_offsets=[0],
+            lease=(0, 1),
             local=False,
         )
+        # The segment and a lease page reach the path as a peer sends them: over a real
+        # SEQPACKET fd channel.
+        loop = asyncio.get_running_loop()
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        theirs, ours = FdChannel(a, loop, os.getpid()), FdChannel(b, loop, os.getpid())
+        ours.start()
+        page = LeasePage.create(f"/aiodd-{os.getpid()}-test-lease")
+        _native.lease_publish(page.addr(0), 1)
+        theirs.send({"t": "page", "slots": page.slots}, page.seg.fd)
+        theirs.send({"t": "seg", "name": name, "size": tensor}, owner.fd)
         dst = np.zeros(tensor, dtype=np.uint8)
         local = CacheEntry(
             cache_id=2,
@@ -210,6 +223,7 @@ async def test_shm_close_waits_for_the_copy_that_uses_the_mapping() -> None:
         )
         executor = _GatedExecutor()
         path = ShmPath(os.getpid())
+        path.fds = ours
         call = Call("pull_blocks", None, executor)  # type: ignore[arg-type]
         pull = asyncio.ensure_future(path.pull(plan, remote, local, call))
         await asyncio.wait_for(executor.started.wait(), 5)
@@ -222,5 +236,9 @@ async def test_shm_close_waits_for_the_copy_that_uses_the_mapping() -> None:
         await asyncio.wait_for(pull, 5)
         assert np.array_equal(dst, data)
         assert mapped[0].closed and path._maps == {}
+        assert _native.lease_readers(page.addr(0)) == 0
+        ours.release_page()
+        theirs.close()
+        page.close()
     finally:
         owner.close()

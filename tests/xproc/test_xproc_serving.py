@@ -23,7 +23,7 @@ from xproc_harness import (
     link,
     nothing_arrives,
     pull_and_check,
-    recv_exact,
+    recv_payload,
 )
 
 from aiodatadist import LLMDataDist, LLMRole, LLMStatusCode, _wire
@@ -112,7 +112,7 @@ async def test_hostile_pull_is_refused_and_nothing_is_sent() -> None:
             assert await nothing_arrives(stream, 0.1) == 0
             # The same connection is still served, and gets exactly the registered bytes.
             await raw.pull(100, reg, [(2, 3 * UNIT, 0, 0, UNIT), (0, 0, 1, 0, 512)])
-            data = await recv_exact(stream, UNIT + 512)
+            data = await recv_payload(stream, 100, UNIT + 512)
             done = await raw.done()
             assert done == {"req": 100, "status": 0, "info": ""}
             assert data == ref[2, 3 * UNIT : 4 * UNIT].tobytes() + ref[0, :512].tobytes()
@@ -141,6 +141,7 @@ async def test_hostile_push_is_refused_and_memory_untouched() -> None:
                         "src_geometry": [4, 8, 4096],
                         "deadline_ms": 2000,
                         "streams": 1,
+                        "epoch": 1,
                     },
                     _wire.segments_to_bytes(np.array(flipped, dtype=np.uint64).reshape(-1, 5)),
                 )
@@ -168,7 +169,7 @@ async def test_impossible_peer_geometry_is_answered() -> None:
             assert await nothing_arrives(stream, 0.05) == 0
             # The link still serves.
             await raw.pull(2, reg, [(1, UNIT, 0, 0, UNIT)])
-            await recv_exact(stream, UNIT)
+            await recv_payload(stream, 2, UNIT)
             assert (await raw.done())["status"] == 0
 
 
@@ -192,7 +193,7 @@ async def test_request_past_its_deadline_is_dropped() -> None:
             # The link still serves a request in time.
             stream = await raw.open_stream(0)
             await raw.pull(3, reg, [(1, UNIT, 0, 0, UNIT)], deadline_ms=3000)
-            data = await recv_exact(stream, UNIT)
+            data = await recv_payload(stream, 3, UNIT)
             assert (await raw.done())["status"] == 0
             assert data == xc.reference(SEED, "reg")[1, UNIT : 2 * UNIT].tobytes()
 

@@ -102,9 +102,13 @@ async def test_pull_to_a_peer_that_stopped_reading_ends_at_its_deadline() -> Non
             assert loop.time() - t0 < 2.0  # generous: the deadline was honoured
         assert not np.any(dst.tensors[0][1::2])  # untouched blocks stay untouched
     finally:
+        # Every step bounded, and the server closed whatever finalize does: a server
+        # left open made uvloop's close() hang the whole run (see tests/conftest.py).
         stop.set()
-        await dd.finalize()
-        server.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(server.wait_closed(), 2)
+        try:
+            await asyncio.wait_for(dd.finalize(), 10)
+        finally:
+            server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 2)
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import xproc_common as xc
 
-from aiodatadist import BlocksCacheKey, LLMDataDist, LLMRole, _wire
+from aiodatadist import BlocksCacheKey, LLMDataDist, LLMRole, _native, _wire
 from aiodatadist.testing import cluster_info
 
 HERE = Path(__file__).resolve().parent
@@ -37,11 +37,14 @@ LIVE_PIDS: set[int] = set()
 """Pids of peer processes not yet reaped (the conftest finalizer kills what is left)."""
 
 
-def remove_segments(pid: int) -> None:
-    """Unlinks the shared-memory segments a (killed) peer process could not unlink itself."""
-    for f in Path("/dev/shm").glob(f"aiodd-{pid}-*"):
-        with contextlib.suppress(OSError):
-            f.unlink()
+def leftover_segments(pid: int | None = None) -> list[str]:
+    """Names in /dev/shm of ``pid``'s segments (any aiodatadist process's with None).
+
+    Check only: segments are nameless memfds, so there must never be any; a test that
+    finds one fails rather than cleaning up after the library.
+    """
+    pattern = "aiodd-*" if pid is None else f"aiodd-{pid}-*"
+    return sorted(f.name for f in Path("/dev/shm").glob(pattern))
 
 
 class PeerProc:
@@ -93,6 +96,7 @@ class PeerProc:
         sync_ms: int = 5000,
         env: dict[str, str] | None = None,
         netns: str | None = None,
+        options: dict[str, str] | None = None,
     ) -> PeerProc:
         argv = [
             sys.executable,
@@ -116,6 +120,8 @@ class PeerProc:
             argv += ["--tcp-streams", str(tcp_streams)]
         if big_mib:
             argv += ["--big-mib", str(big_mib)]
+        for key, value in (options or {}).items():
+            argv += ["--option", f"{key}={value}"]
         if netns is not None:
             argv = ["ip", "netns", "exec", netns, *argv]
         full_env = {k: v for k, v in os.environ.items() if k != "AIODATADIST_SECRET"}
@@ -181,7 +187,6 @@ class PeerProc:
     async def wait_dead(self, timeout: float = STOP_TIMEOUT) -> int:
         rc = await asyncio.wait_for(self.proc.wait(), timeout)
         LIVE_PIDS.discard(self.proc.pid)
-        remove_segments(self.proc.pid)
         return rc
 
     async def stop(self) -> None:
@@ -198,7 +203,6 @@ class PeerProc:
         finally:
             if self.proc.returncode is not None:
                 LIVE_PIDS.discard(self.proc.pid)
-                remove_segments(self.proc.pid)
             with contextlib.suppress(Exception):
                 self.log.close()
 
@@ -321,18 +325,28 @@ async def until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "con
 class RawClient:
     """A hand-driven control connection: the handshake and requests, frame by frame."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, *, rcvbuf: int | None = None) -> None:
         self.host = host
         self.port = port
+        self.rcvbuf = rcvbuf  # a small receive buffer: a peer that stops reading fills fast
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.welcome: dict[str, Any] | None = None
         self.streams: list[socket.socket] = []
 
     async def __aenter__(self) -> RawClient:
-        self.reader, self.writer = await asyncio.wait_for(
-            asyncio.open_connection(self.host, self.port), REPLY_TIMEOUT
-        )
+        if self.rcvbuf is None:
+            connect = asyncio.open_connection(self.host, self.port)
+        else:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rcvbuf)
+            sock.setblocking(False)
+            await asyncio.wait_for(
+                asyncio.get_running_loop().sock_connect(sock, (self.host, self.port)),
+                REPLY_TIMEOUT,
+            )
+            connect = asyncio.open_connection(sock=sock)
+        self.reader, self.writer = await asyncio.wait_for(connect, REPLY_TIMEOUT)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -378,8 +392,8 @@ class RawClient:
         self.welcome = welcome.body
         return welcome.body
 
-    async def open_stream(self, index: int) -> socket.socket:
-        """A data stream (DATA_HELLO + ACK) as a blocking socket with a timeout."""
+    async def open_stream(self, index: int, epoch: int = 1) -> socket.socket:
+        """A data stream (DATA_HELLO + ACK) of ``epoch``, as a non-blocking socket."""
         assert self.welcome is not None
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -388,7 +402,7 @@ class RawClient:
         await asyncio.wait_for(loop.sock_connect(sock, (self.host, self.port)), REPLY_TIMEOUT)
         frame = _wire.encode(
             _wire.MsgType.DATA_HELLO,
-            {"link_token": self.welcome["link_token"], "stream": index},
+            {"link_token": self.welcome["link_token"], "stream": index, "epoch": epoch},
         )
         await loop.sock_sendall(sock, frame)
         ack = await asyncio.wait_for(loop.sock_recv(sock, 1), REPLY_TIMEOUT)
@@ -404,6 +418,7 @@ class RawClient:
         dst_geometry: tuple[int, int, int] = (4, 8, 4096),
         deadline_ms: int = 2000,
         streams: int = 1,
+        epoch: int = 1,
     ) -> None:
         await self.write(
             _wire.MsgType.PULL,
@@ -413,6 +428,7 @@ class RawClient:
                 "dst_geometry": list(dst_geometry),
                 "deadline_ms": deadline_ms,
                 "streams": streams,
+                "epoch": epoch,
             },
             _wire.segments_to_bytes(np.array(segments, dtype=np.uint64).reshape(-1, 5)),
         )
@@ -440,6 +456,15 @@ async def recv_exact(sock: socket.socket, n: int, timeout: float = REPLY_TIMEOUT
                 raise AssertionError(f"stream closed after {len(buf)} of {n} bytes")
             buf += chunk
     return bytes(buf)
+
+
+async def recv_payload(
+    sock: socket.socket, req: int, n: int, timeout: float = REPLY_TIMEOUT
+) -> bytes:
+    """One stream's share of transfer ``req``: its header (checked) and ``n`` payload bytes."""
+    head = await recv_exact(sock, _native.SOCK_HEADER_BYTES, timeout)
+    assert head == _native.sock_header(req, n), (head, req, n)
+    return await recv_exact(sock, n, timeout)
 
 
 async def nothing_arrives(sock: socket.socket, wait: float = 0.2) -> int:

@@ -1,0 +1,126 @@
+"""Cancel scopes around a pull from a prompt in another process (issue 9, finding 6).
+
+The cross-process variant of tests/engine/test_cancel_scopes.py: the prompt is a
+subprocess (``aiodatadist.testing.remote_pair``), the decoder here is forced to shm, cma
+or tcp. A big pull in flight is cancelled by ``asyncio.timeout``, ``task.cancel()``,
+``anyio.move_on_after``, ``anyio.fail_after`` and an anyio task-group cancel: each scope
+absorbs its own cancel, the call ends within a generous bound with its native job
+returned and the slot free, and a follow-up pull verifies the prompt's pattern (a seed
+of this test's own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import anyio
+import pytest
+
+from aiodatadist.testing import PromptSpec, RemotePair, remote_pair
+
+PATHS = ["shm", "cma", "tcp"]
+KINDS = ["asyncio.timeout", "task.cancel", "move_on_after", "fail_after", "task_group"]
+END_BOUND_S = 2.0  # generous: the cancel was honoured, not a speed claim
+_seeds = itertools.count(0x5C0_0001)
+
+
+async def _wait_until(pred: Any, timeout: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not pred():
+        assert loop.time() < end, "timed out waiting"
+        await asyncio.sleep(0.001)
+
+
+async def _cancel_every_way(pair: RemotePair) -> None:
+    dec = pair.decoder
+    nb = pair.spec.num_blocks
+    dst = pair.decoder_cache()
+    executor = dec._executor
+    assert executor is not None
+    link = dec._registry.find(pair.prompt_id)
+    assert link is not None
+    everything = list(range(nb))
+    loop = asyncio.get_running_loop()
+
+    def big_pull() -> Any:
+        return dec.cache_manager.pull_blocks(pair.key(), dst.cache, everything, everything,
+                                             timeout=60)
+
+    async def verify() -> None:
+        s, d = [1, nb - 1, nb // 2], [nb - 2, 0, 3]
+        await dec.cache_manager.pull_blocks(pair.key(), dst.cache, s, d, timeout=30)
+        assert pair.mismatches(dst, s, d) == []
+
+    await verify()  # warm: the link works before any cancel
+    for kind in KINDS:
+        marks: dict[str, float] = {}
+
+        async def when_in_flight(action: Any, marks: dict[str, float] = marks) -> None:
+            await _wait_until(lambda: executor.in_flight >= 1)
+            marks["cancel"] = loop.time()
+            action()
+
+        tasks: list[asyncio.Task[None]] = []
+        if kind == "asyncio.timeout":
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(None) as cm:
+                    tasks.append(asyncio.create_task(
+                        when_in_flight(lambda cm=cm: cm.reschedule(loop.time()))))
+                    await big_pull()
+        elif kind == "task.cancel":
+            task = asyncio.create_task(big_pull())
+            tasks.append(asyncio.create_task(when_in_flight(task.cancel)))
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        elif kind in ("move_on_after", "fail_after"):
+            ctx = anyio.move_on_after(60) if kind == "move_on_after" else anyio.fail_after(60)
+            try:
+                with ctx as scope:
+                    tasks.append(asyncio.create_task(when_in_flight(
+                        lambda scope=scope: setattr(scope, "deadline", anyio.current_time()))))
+                    await big_pull()
+            except TimeoutError:
+                assert kind == "fail_after"
+            else:
+                assert kind == "move_on_after"
+            assert scope.cancelled_caught
+        else:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(big_pull)
+                await when_in_flight(tg.cancel_scope.cancel)
+            assert tg.cancel_scope.cancelled_caught
+        ended = loop.time()
+        for t in tasks:
+            await t
+        assert ended - marks["cancel"] < END_BOUND_S, (kind, ended - marks["cancel"])
+        assert executor.in_flight == 0 and not link.slot.busy, kind
+        current = asyncio.current_task()
+        assert current is not None and current.cancelling() == 0
+        await verify()
+
+
+def _spec(path: str) -> PromptSpec:
+    # 2 x 16 x 4 MiB: a whole-cache pull is still in flight when the cancel lands.
+    return PromptSpec(num_tensors=2, num_blocks=16, block_shape=(4 << 20,), dtype="uint8",
+                      seed=next(_seeds), allocate=(path == "shm"))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("path", PATHS)
+async def test_cancel_scopes_across_processes(path: str) -> None:
+    async with remote_pair(_spec(path), data_path=path,
+                           options={"aiodatadist.MoverThreads": "1"}) as pair:
+        await _cancel_every_way(pair)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_cancel_scopes_across_processes_under_anyio_uvloop(path: str) -> None:
+    async def main() -> None:
+        async with remote_pair(_spec(path), data_path=path,
+                               options={"aiodatadist.MoverThreads": "1"}) as pair:
+            await _cancel_every_way(pair)
+
+    anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
