@@ -3,6 +3,17 @@
 Re-exports only; see the submodules for the implementation.
 """
 
+from ._version import __version__
+
+try:
+    from . import _native as _native  # the compiled core: everything below needs it
+except ImportError as _e:  # a source tree without a build, or a core that cannot load
+    from ._nocore import no_core_error
+
+    # from None: Python's own message here blames a circular import; ours says what to do
+    # (and quotes the loader's reason when a built core is there but does not load).
+    raise no_core_error(_e, __file__) from None
+
 from .cache_manager import CacheManager, CacheTask
 from .config import LLMConfig, LlmConfig
 from .datadist import LLMDataDist
@@ -33,8 +44,6 @@ from .types import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BlocksCacheKey",

@@ -21,12 +21,15 @@ import platform
 import re
 import resource
 import socket
+import stat
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["run_doctor"]
+from ._peer_proc import python_argv, python_env
+
+__all__ = ["clean_stale_segments", "run_doctor"]
 
 CROSS_PROCESS = ("shm", "cma", "tcp")
 _PROBE_TIMEOUT = 20.0
@@ -134,12 +137,15 @@ def limits() -> dict[str, str]:
 
 
 def _child(code: str, *args: str) -> subprocess.Popen[str]:
+    # python_argv/python_env: the probe imports this installation, not a source tree that
+    # happens to be the current directory.
     return subprocess.Popen(
-        [sys.executable, "-c", code, *args],
+        python_argv("-c", code, *args),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=python_env(),
     )
 
 
@@ -173,11 +179,12 @@ def probe_shm() -> PathReport:
             notes.append(f"only {_fmt_bytes(free)} free in /dev/shm: big allocate_* calls fail")
     except OSError as e:
         return PathReport("shm", False, f"/dev/shm is not available: {e.strerror}")
-    stale = _stale_segments()
+    stale = stale_segments()
     if stale:
         notes.append(
             f"{len(stale)} segment(s) of dead processes (older aiodatadist) left in /dev/shm "
-            f"({_fmt_bytes(sum(s for _, s in stale))}), e.g. {stale[0][0]}: remove them"
+            f"({_fmt_bytes(sum(s for _, s in stale))}), e.g. {stale[0][0]}: "
+            "`aiodatadist doctor --clean` removes them"
         )
     try:
         seg = _native.ShmSegment.create(name, 4096)
@@ -211,23 +218,58 @@ def probe_shm() -> PathReport:
     )
 
 
-def _stale_segments() -> list[tuple[str, int]]:
+SHM_DIR = "/dev/shm"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+def stale_segments(shm_dir: str = SHM_DIR) -> list[tuple[str, int]]:
+    """``(path, size)`` of each ``aiodd-<pid>-*`` file in ``shm_dir`` whose process is gone.
+
+    Named segments are what aiodatadist versions before memfd segments (and tools that
+    copied their naming) left behind when killed; this version creates none. A segment
+    whose pid is alive, or belongs to another user's process, is not stale.
+    """
     out = []
-    for path in glob.glob("/dev/shm/aiodd-*"):
+    for path in sorted(glob.glob(os.path.join(shm_dir, "aiodd-*"))):
         m = re.match(r"aiodd-(\d+)-", os.path.basename(path))
-        if m is None:
-            continue
-        pid = int(m.group(1))
-        try:
-            os.kill(pid, 0)
-            continue  # alive
-        except ProcessLookupError:
-            pass
-        except PermissionError:
+        if m is None or _pid_alive(int(m.group(1))):
             continue
         with contextlib.suppress(OSError):
-            out.append((path, os.stat(path).st_size))
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode):  # never follow a link out of /dev/shm
+                out.append((path, st.st_size))
     return out
+
+
+def clean_stale_segments(shm_dir: str = SHM_DIR) -> tuple[list[tuple[str, int]], list[str]]:
+    """Removes :func:`stale_segments`; returns ``(removed, failures)``.
+
+    Only segments of dead processes: a pid that is alive (or reused by a live process
+    meanwhile) keeps its segments. A failure (another user's file) is reported, not raised.
+    """
+    removed, failed = [], []
+    for path, size in stale_segments(shm_dir):
+        m = re.match(r"aiodd-(\d+)-", os.path.basename(path))
+        if m is not None and _pid_alive(int(m.group(1))):
+            continue  # the pid came back (reused) since the listing
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue  # removed meanwhile (another cleaner)
+        except OSError as e:
+            failed.append(f"{path}: {e.strerror}")
+            continue
+        removed.append((path, size))
+    return removed, failed
 
 
 def _errno_name(code: int) -> str:
@@ -378,12 +420,18 @@ def _write(path: str, text: str) -> None:
 async def run_doctor(args: argparse.Namespace) -> int:
     """Prints the report; returns 0 when a cross-process path works, else 1.
 
+    With ``--clean`` it first removes the ``/dev/shm/aiodd-<pid>-*`` segments of dead
+    processes (:func:`clean_stale_segments`) and lists what it removed.
+
     Never raises for a path that does not work (that is the report). Timeout: every
     probe process is bounded by 20 s (then killed). Cancel (Ctrl-C): the end-to-end
     prompt process is stopped before it propagates; a blocking probe in a worker
     thread finishes on its own bound.
     """
     loop = asyncio.get_running_loop()
+    cleaned: tuple[list[tuple[str, int]], list[str]] | None = None
+    if getattr(args, "clean", False):
+        cleaned = clean_stale_segments()  # first: the shm probe then reports what is left
     vers = versions()
     lims = limits()
     reports = {"inproc": probe_inproc()}
@@ -414,6 +462,20 @@ async def run_doctor(args: argparse.Namespace) -> int:
             print(f"  {'':<7} {'':<14} note: {note}")
         if rep.pull is not None:
             print(f"  {'':<7} {'':<14} end-to-end pull from a prompt process: {rep.pull}")
+    if cleaned is not None:
+        removed, failed = cleaned
+        print("\nclean")
+        if removed:
+            print(
+                f"  removed {len(removed)} segment(s) of dead processes from {SHM_DIR} "
+                f"({_fmt_bytes(sum(n for _, n in removed))}):"
+            )
+            for path, _ in removed:
+                print(f"    {path}")
+        else:
+            print(f"  no segments of dead processes in {SHM_DIR}: nothing removed")
+        for failure in failed:
+            print(f"  could not remove {failure}")
     print()
     if works:
         print(f"cross-process data paths that work here: {', '.join(works)}")
@@ -426,6 +488,8 @@ async def run_doctor(args: argparse.Namespace) -> int:
             "paths": {n: asdict(r) for n, r in reports.items()},
             "cross_process_paths": works,
         }
+        if cleaned is not None:
+            doc["clean"] = {"removed": [p for p, _ in cleaned[0]], "failed": cleaned[1]}
         text = json.dumps(doc, indent=2) + "\n"
         if args.json == "-":
             sys.stdout.write(text)

@@ -16,6 +16,10 @@ It speaks JSON lines on stdout::
     {"event": "bye"}
 
 Its stdin is the lifeline: when the parent dies, the pipe closes and this exits.
+
+Every Python process the package starts (this one, the doctor's probes) is started with
+:func:`python_argv` and :func:`python_env`, so that it imports the same aiodatadist as its
+parent, whatever its current directory.
 """
 
 from __future__ import annotations
@@ -26,10 +30,50 @@ import contextlib
 import json
 import os
 import signal
+import site
 import sys
+import sysconfig
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+# The directory that holds the aiodatadist package this process imported.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def python_argv(*args: str) -> list[str]:
+    """The command line of a Python child process: this interpreter, ``-P``, ``args``.
+
+    ``-P`` (Python >= 3.11): the child's current directory (``-m``, ``-c``) does not go
+    first on its ``sys.path``; from a source checkout's root it would otherwise import
+    the checkout's ``aiodatadist/`` instead of the installation its parent uses.
+    """
+    return [sys.executable, "-P", *args]
+
+
+def _site_dirs() -> set[str]:
+    dirs = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
+    with contextlib.suppress(AttributeError):  # site may be trimmed (embedded Pythons)
+        dirs.update(site.getsitepackages())
+        dirs.add(site.getusersitepackages())
+    return {os.path.realpath(d) for d in dirs if d}
+
+
+def python_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a Python child: ours, ``extra``, and our package's location.
+
+    The child must import the aiodatadist its parent imported. From a site-packages
+    directory (an installed wheel) it does by itself, with :func:`python_argv`'s ``-P``;
+    from anywhere else (a source tree that is built in place or editable-installed, a
+    directory the parent put on ``sys.path``) that directory goes first on the child's
+    ``PYTHONPATH``. A site directory is never put there: ahead of the standard library it
+    could shadow it.
+    """
+    env = {**os.environ, **(extra or {})}
+    if os.path.realpath(_PACKAGE_ROOT) not in _site_dirs():
+        rest = env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + rest if rest else "")
+    return env
 
 
 def _emit(**event: Any) -> None:

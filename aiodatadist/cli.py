@@ -1,16 +1,7 @@
 """The ``aiodatadist`` command line (also ``python -m aiodatadist``).
 
-Commands:
-
-* ``demo``: a prompt process and a decoder process exchange an llama8b-fp16-shaped
-  KV cache over loopback, layer by layer, on every data path that works here
-  (shm, cma, tcp); every byte is verified and the bandwidth per path printed.
-  Exits non-zero on any mismatch.
-* ``bench``: the standard workloads over every data path that works here (inproc,
-  shm, cma, tcp) against baselines measured in the same run; a table, ``--json``
-  and a ``--plot`` PNG.
-* ``doctor``: which data paths work on this machine and, for those that do not, why;
-  versions and limits. Exits 0 when at least one cross-process path works.
+``DESCRIPTION`` is what ``aiodatadist --help`` says about it; each command's parser
+describes the command (``demo``, ``bench``, ``doctor``).
 """
 
 from __future__ import annotations
@@ -22,7 +13,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TextIO
 
-__all__ = ["Progress", "main"]
+__all__ = ["DESCRIPTION", "Progress", "main"]
+
+# What ``aiodatadist --help`` prints above the commands: plain text (no reST markup).
+DESCRIPTION = """\
+Moves paged KV-cache blocks between LLM inference processes (asyncio, LLM-DataDist API).
+
+Start with 'aiodatadist doctor' (which data paths work on this machine, and why not)
+and 'aiodatadist demo --small' (two processes exchange a KV cache, every byte verified).
+'aiodatadist COMMAND --help' describes a command's options.
+"""
 
 
 class Progress:
@@ -127,11 +127,14 @@ def _progress_flag(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``aiodatadist`` command."""
+    from ._version import __version__
+
     parser = argparse.ArgumentParser(
         prog="aiodatadist",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser(
@@ -222,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
         dest="pull",
         action="store_false",
         help="skip the end-to-end pull through a prompt process on each path",
+    )
+    doctor.add_argument(
+        "--clean",
+        action="store_true",
+        help="remove the segments in /dev/shm that dead processes left (aiodd-PID-*; "
+        "only those whose process is gone)",
     )
     return parser
 

@@ -41,14 +41,13 @@ import contextlib
 import json
 import logging
 import mmap
-import os
 import signal
-import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ._peer_proc import python_argv, python_env
 from .datadist import LLMDataDist
 from .errors import LLMException, LLMStatusCode
 from .types import BlocksCacheKey, CacheDesc, DataType, KvCache, LLMClusterInfo, LLMRole, Placement
@@ -547,8 +546,8 @@ class PeerProcess:
 
     def argv(self) -> list[str]:
         """The command line that starts it."""
-        cmd = [
-            sys.executable,
+        # The child imports this installation, whatever the current directory (-P, PYTHONPATH).
+        cmd = python_argv(
             "-m",
             "aiodatadist._peer_proc",
             "--cluster-id",
@@ -557,7 +556,7 @@ class PeerProcess:
             f"{self.host}:0",
             "--spec",
             self.spec.to_json(),
-        ]
+        )
         for k, v in self.options.items():
             cmd += ["--option", f"{k}={v}"]
         return cmd
@@ -574,7 +573,7 @@ class PeerProcess:
         """
         if self._proc is not None:
             raise RuntimeError("the peer process was already started")
-        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        env = python_env({**self.env, "PYTHONUNBUFFERED": "1"})
         proc = await asyncio.create_subprocess_exec(
             *self.argv(),
             stdin=asyncio.subprocess.PIPE,

@@ -25,7 +25,7 @@ fi
 # and build deps, so the build itself runs without isolation and stays incremental.
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q numpy pytest pytest-asyncio pytest-timeout uvloop \
-  "scikit-build-core>=0.10" "pybind11>=2.12"
+  "scikit-build-core>=1.0" "pybind11>=2.12"
 
 echo "== build (ASan + UBSan) into $BUILD"
 "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation --force-reinstall \
