@@ -32,7 +32,7 @@ ALL_BIG = list(range(BIG_BLOCKS))
 SLOW_OPTIONS = {"aiodatadist.MoverThreads": "1"}
 
 # Generous bound for "the call ended soon after its deadline or cancel" (not a speed claim).
-BOUND_S = 0.5
+BOUND_S = 1.0  # a loaded 2-core machine (two CPU burners beside the suite) needs the room
 
 
 # ------------------------------------------------------------------ bytes

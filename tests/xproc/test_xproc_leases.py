@@ -31,7 +31,14 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import xproc_common as xc
-from xproc_harness import Harness, PeerProc, decoder_options, leftover_segments, link
+from xproc_harness import (
+    Harness,
+    PeerProc,
+    decoder_options,
+    leftover_segments,
+    link,
+    until,
+)
 
 from aiodatadist import (
     BlocksCacheKey,
@@ -388,8 +395,14 @@ async def test_a_stalled_reader_holds_off_unregister(ending: str) -> None:
         entry = cm._entries[big.cache_id]
         assert entry.lease is not None
         slot, gen = entry.lease
+        # The page goes to the decoder over the fd channel, which the decoder connects
+        # after its link call returned: on a loaded machine that may take a moment.
+        await until(
+            lambda: len([p for p in cm.leases._pages if not p.retired]) == 1,
+            10,
+            "the decoder's link to own one lease page of ours",
+        )
         pages = [p for p in cm.leases._pages if not p.retired]
-        assert len(pages) == 1
         addr = pages[0].page.addr(slot)
         nblk = big.cache_desc.shape[0]
         out: dict[str, float] = {}
