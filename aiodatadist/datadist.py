@@ -262,7 +262,7 @@ class LLMDataDist:
             for link in list(self._registry):
                 await self._drop_link(link, deadline=deadline)
             if self._server is not None:
-                await self._server.close()
+                await self._server.close(min(1.0, deadline - loop.time()))
                 self._server = None
             idle = await self._executor.aclose(max(0.0, deadline - loop.time()))
             if self._serve_executor is not None:
