@@ -1192,11 +1192,13 @@ class ControlServer:
         for peer in list(self.peers.values()):
             peer.table_changed()
 
-    async def close(self) -> None:
+    async def close(self, timeout: float = 1.0) -> None:
+        """Stops listening and closes every link; waits at most ``timeout`` s for the
+        listening socket to close (finalize passes what is left of its bound)."""
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+                await asyncio.wait_for(self._server.wait_closed(), max(0.0, timeout))
             self._server = None
         for task in list(self._handshakes):
             task.cancel()
