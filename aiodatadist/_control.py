@@ -73,6 +73,9 @@ UNLINK_SEND_TIMEOUT = 1.0
 MAX_QUEUED_REQUESTS = 8
 CANCEL_TIMEOUT = 2.0
 """How long a requester tries to send a CANCEL (in the background) before closing the link."""
+MAX_HANDSHAKES = 64
+"""Accepted connections that have not sent their first message yet, at once; past it the
+oldest is closed."""
 _ACK = b"\x01"
 _req_ids = itertools.count(1)
 # DATA_HELLO.stream = direction * _STREAM_SLOTS + i: the layout does not depend on
@@ -139,29 +142,52 @@ def _socket_inode(local: tuple[str, int], remote: tuple[str, int]) -> int | None
     return None
 
 
-def peer_owns_connection(pid: int, writer: asyncio.StreamWriter) -> bool:
+def _holds_socket(pid: int, target: str) -> bool | None:
+    """Whether process ``pid`` has an fd on ``target``; None when its fds cannot be read."""
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:
+        return False  # no such process
+    except OSError:
+        return None  # another user's process, or no /proc
+    for name in names:
+        with contextlib.suppress(OSError):  # an fd closed while we look
+            if os.readlink(f"/proc/{pid}/fd/{name}") == target:
+                return True
+    return False
+
+
+def peer_owns_connection(pid: int, writer: asyncio.StreamWriter) -> bool | None:
     """Whether process ``pid`` holds the other end of this control connection.
 
     The one-sided paths (shm, cma) act on the process and segments the peer names: a
     peer claiming someone else's pid could make us read or write that process's memory.
-    Checked once per link through /proc; False when it cannot be checked.
+    Checked once per link through /proc. Returns:
+
+    * True: ``pid`` holds it;
+    * False: the other end is open, held by some process, and ``pid`` is not one of
+      them: the peer claims a pid that is not its own;
+    * None: it cannot be told: the other end was already closed (a short-lived peer
+      that linked and left before we looked: its socket has no owner any more), or
+      /proc does not show it (not the same network namespace, another user's process).
+
+    Only True lets the one-sided paths act on ``pid``.
     """
     sock = writer.get_extra_info("socket")
     try:
         ours, theirs = sock.getsockname()[:2], sock.getpeername()[:2]
     except (OSError, AttributeError):
-        return False
+        return None  # closed already, or not a socket
     inode = _socket_inode(local=theirs, remote=ours)
-    if inode is None:
-        return False
-    target = f"socket:[{inode}]"
-    try:
-        for name in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{pid}/fd/{name}") == target:
-                    return True
-    except OSError:
-        return False
+    if not inode:  # None: not in the table; 0: closed, no process owns it (TIME_WAIT, ...)
+        return None
+    held = _holds_socket(pid, f"socket:[{inode}]")
+    if held is not False:
+        return held
+    # Not among pid's fds. A lie, unless the peer closed its end meanwhile (or exited):
+    # then the socket left the table, or lost its inode, since we read it above.
+    if _socket_inode(local=theirs, remote=ours) != inode:
+        return None
     return False
 
 
@@ -230,13 +256,21 @@ class Peer:
         self.fd_socket: str | None = None
         # Same host, and the pid the peer gave really holds the other end of this
         # connection: only then may the one-sided paths act on that process.
-        self.same_host = info.host_id == host_identity() and peer_owns_connection(
-            info.pid, writer
-        )
-        if info.host_id == host_identity() and not self.same_host:
+        owns = peer_owns_connection(info.pid, writer) if info.host_id == host_identity() else None
+        self.same_host = owns is True
+        if owns is False:
+            # Only a peer that is verifiably lying: an honest peer that already closed its
+            # end (linked and left) or one /proc cannot show is not accused (tcp only).
             log.warning(
                 "cluster %d claims pid %d on this host, which does not hold its connection: "
                 "using tcp only",
+                info.cluster_id,
+                info.pid,
+            )
+        elif owns is None and info.host_id == host_identity():
+            log.debug(
+                "cluster %d (pid %d): its end of the connection cannot be checked (closed, "
+                "or not visible here): using tcp only",
                 info.cluster_id,
                 info.pid,
             )
@@ -484,12 +518,29 @@ class Peer:
         # The streams this job used: a failure retires just these (the requester may
         # already have connected their replacements).
         held: list[socket.socket] = []
+        # Refused because the requester's table is stale: it may refresh and retry.
+        stale = False
         try:
             entry = self.dd.cache_manager.table.by_id(int(body["cache_id"]))
+            stale = entry is None or (
+                body.get("gen") is not None
+                and entry.lease is not None
+                and entry.lease[1] != body["gen"]
+            )
             if entry is None:
                 raise _link_error(
                     api,
                     f"no cache with id {body['cache_id']}",
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                )
+            if stale:
+                # The requester resolved its key through a binding this cache has lost
+                # (a later registration took its model_id, a row key was removed): it
+                # would get (or overwrite) another registration's bytes under that key.
+                raise _link_error(
+                    api,
+                    f"cache {body['cache_id']} was re-bound since the requester's table "
+                    f"(generation {body.get('gen')}, now {entry.lease})",
                     LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                 )
             segs = _wire.segments_from_bytes(msg.binary)
@@ -514,6 +565,15 @@ class Peer:
             addrs = entry.addrs
             entry.hold(api)
             try:
+                gen = body.get("gen")
+                if gen is not None and entry.lease is not None and entry.lease[1] != gen:
+                    # Re-bound while we waited for the streams (none touched yet).
+                    stale = True
+                    raise _link_error(
+                        api,
+                        f"cache {body['cache_id']} was re-bound since the requester's table",
+                        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                    )
                 executor = self.dd._serve_executor_or_raise()
                 held[:] = socks
                 fds = self.hold_streams(held)
@@ -555,9 +615,10 @@ class Peer:
         try:
             # A peer that stopped reading must not hold this loop: the reply is bounded.
             async with asyncio.timeout(self._serve_cap):
-                await self.send(
-                    _wire.MsgType.DONE, {"req": req, "status": int(status), "info": info[:1000]}
-                )
+                done: dict[str, Any] = {"req": req, "status": int(status), "info": info[:1000]}
+                if stale and status == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST:
+                    done["stale"] = True
+                await self.send(_wire.MsgType.DONE, done)
         except TimeoutError:
             await self.close("the peer did not take a reply in time")
         except LLMException:
@@ -955,6 +1016,11 @@ class ControlServer:
         self._server: asyncio.Server | None = None
         self.peers: dict[str, Peer] = {}  # by link token
         self._handshakes: set[asyncio.Task[Any]] = set()
+        # Connections that have not sent their first message (HELLO or DATA_HELLO) yet,
+        # oldest first: at most MAX_HANDSHAKES (anyone who reaches the port can open them,
+        # no secret needed; idle ones must not use up our fds). Past the bound the oldest
+        # is closed. An honest peer sends its first message with the connection.
+        self._unwelcomed: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
         # fd channels (aiodatadist._leases): the listener, made on the first same-host
         # handshake, and links welcomed but not yet adopted, by token.
         self._fd_listener: FdListener | None = None
@@ -982,12 +1048,21 @@ class ControlServer:
         task = asyncio.current_task()
         assert task is not None
         self._handshakes.add(task)
+        while len(self._unwelcomed) >= MAX_HANDSHAKES:
+            # Closing the connection ends its read of the first message.
+            oldest = next(iter(self._unwelcomed))
+            log.debug("%d connections have said nothing: closing the oldest", MAX_HANDSHAKES)
+            with contextlib.suppress(Exception):
+                self._unwelcomed.pop(oldest).transport.abort()
+        self._unwelcomed[task] = writer
         try:
             await self._handshake(reader, writer)
-        except (_wire.WireError, OSError, TimeoutError, LLMException) as e:
+        # RuntimeError: uvloop's answer to a write on a transport closed above.
+        except (_wire.WireError, OSError, TimeoutError, LLMException, RuntimeError) as e:
             log.debug("handshake from %s failed: %s", writer.get_extra_info("peername"), e)
             writer.close()
         finally:
+            self._unwelcomed.pop(task, None)
             self._handshakes.discard(task)
 
     async def _refuse(
@@ -1006,6 +1081,9 @@ class ControlServer:
             timeout=HANDSHAKE_TIMEOUT,
             accept=(_wire.MsgType.HELLO, _wire.MsgType.DATA_HELLO),
         )
+        me = asyncio.current_task()
+        if me is not None:
+            self._unwelcomed.pop(me, None)  # it spoke: no longer evictable
         if msg.type == _wire.MsgType.DATA_HELLO:
             await self._data_stream(msg, writer)
             return

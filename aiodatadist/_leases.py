@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import re
+import resource
 import select
 import socket
 import struct
@@ -77,6 +78,17 @@ MAX_FDS = 1
 MAX_HELD_FDS = 4096
 """Segment fds a peer may have us hold at once (more closes the channel)."""
 HELLO_TIMEOUT = 10.0
+MAX_PENDING = 64
+"""Fd-channel connections that may wait for their hello at once (past it the oldest goes)."""
+_soft_nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+MAX_BACKLOG = min(
+    MAX_HELD_FDS, max(64, (_soft_nofile if _soft_nofile > 0 else 1024) // 4)
+)
+"""Messages one channel may queue while its socket is full (each holds a dup'ed fd):
+a quarter of the fd limit at most, so a peer that stops reading cannot exhaust ours."""
+HELD_FDS_CAP = min(MAX_HELD_FDS, max(64, (_soft_nofile if _soft_nofile > 0 else 1024) // 2))
+"""Segment fds one channel holds at most here: half of the fd limit (a peer sending more
+gets its channel closed and tcp for the rest, rather than using up our fds)."""
 _SEG_NAME = re.compile(r"/[A-Za-z0-9._-]{1,200}")
 _TOKEN = re.compile(r"[0-9a-f]{32,128}")
 _page_ids = itertools.count(1)
@@ -429,6 +441,12 @@ class FdChannel:
         self._events: dict[str, asyncio.Event] = {}
         self._page_event = asyncio.Event()
         self._send_lock = threading.Lock()
+        # Messages the socket had no room for (each with a dup of its fd), sent in order
+        # once it is writable: a burst (a new link to an owner of many segments, many
+        # allocations at once) outruns the socket buffer; that is no reason to drop the
+        # channel. More than MAX_BACKLOG waiting: the peer is not reading; closed.
+        self._backlog: list[tuple[bytes, int]] = []
+        self._writing = False
         self._reading = False
         self._book: LeaseBook | None = None
 
@@ -455,17 +473,72 @@ class FdChannel:
             self._reading = False
 
     def send(self, body: dict[str, Any], fd: int) -> None:
-        """Sends one message with one fd; never blocks (a full socket closes the channel:
-        the peer then cannot map what it was not sent, and uses tcp)."""
+        """Sends one message with one fd; never blocks. A full socket queues it (with a
+        dup of ``fd``) until the socket is writable, in order; a failed send, or more
+        than :data:`MAX_BACKLOG` queued, closes the channel (the peer then cannot map
+        what it was not sent, and uses tcp)."""
         if self.closed:
             return
         data = json.dumps(body).encode()
         try:
             with self._send_lock:
-                socket.send_fds(self.sock, [data], [fd], socket.MSG_DONTWAIT)
+                if not self._backlog:
+                    try:
+                        socket.send_fds(self.sock, [data], [fd], socket.MSG_DONTWAIT)
+                        return
+                    except BlockingIOError:
+                        pass
+                if len(self._backlog) >= MAX_BACKLOG:
+                    raise OSError(f"{len(self._backlog)} messages wait: the peer is not reading")
+                self._backlog.append((data, os.dup(fd)))
+                first = len(self._backlog) == 1
         except OSError as e:
             log.debug("fd channel to pid %d: send failed (%s); closing it", self.peer_pid, e)
             self._close_soon()
+            return
+        if first:
+            self._on_loop(self._start_flush)
+
+    def _on_loop(self, fn: Callable[[], None]) -> None:
+        try:
+            if asyncio.get_running_loop() is self.loop:
+                fn()
+                return
+        except RuntimeError:
+            pass
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(fn)
+
+    def _start_flush(self) -> None:
+        if self.closed or self._writing:
+            return
+        self._writing = True
+        self.loop.add_writer(self.sock.fileno(), self._flush)
+
+    def _flush(self) -> None:
+        """The socket is writable: sends queued messages until it is full or none is left."""
+        try:
+            with self._send_lock:
+                while self._backlog and not self.closed:
+                    data, fd = self._backlog[0]
+                    try:
+                        socket.send_fds(self.sock, [data], [fd], socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        return
+                    self._backlog.pop(0)
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+        except OSError as e:
+            log.debug("fd channel to pid %d: send failed (%s); closing it", self.peer_pid, e)
+            self.close()
+            return
+        self._stop_flush()
+
+    def _stop_flush(self) -> None:
+        if self._writing:
+            self._writing = False
+            with contextlib.suppress(Exception):
+                self.loop.remove_writer(self.sock.fileno())
 
     def _close_soon(self) -> None:
         try:
@@ -559,7 +632,7 @@ class FdChannel:
             if old is not None:
                 with contextlib.suppress(OSError):
                     os.close(old[0])
-            if len(self._fds) >= MAX_HELD_FDS:
+            if len(self._fds) >= HELD_FDS_CAP:
                 return False
             self._fds[name] = (fds[0], size)
             ev = self._events.pop(name, None)
@@ -643,6 +716,12 @@ class FdChannel:
             with contextlib.suppress(Exception):
                 self.loop.remove_reader(self.sock.fileno())
             self._reading = False
+        self._stop_flush()
+        with self._send_lock:
+            for _, fd in self._backlog:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._backlog.clear()
         with contextlib.suppress(OSError):
             self.sock.close()
         for fd, _ in self._fds.values():
@@ -702,7 +781,8 @@ class FdListener:
         except BaseException:
             self.sock.close()
             raise
-        self.pending: set[FdChannel] = set()
+        # Connections waiting for their hello, oldest first.
+        self.pending: dict[FdChannel, None] = {}
 
     def _on_accept(self) -> None:
         try:
@@ -712,24 +792,36 @@ class FdListener:
         except OSError as e:
             log.debug("fd listener: accept failed: %s", e)
             return
+        # Any local process can reach an abstract socket: connections that have not said
+        # hello are bounded, or idle ones could use up our fds. Past the bound the oldest
+        # goes (an honest client says hello right after connecting: it is never the oldest
+        # for long).
+        for gone in [c for c in self.pending if c.closed]:
+            del self.pending[gone]
+        while len(self.pending) >= MAX_PENDING:
+            oldest = next(iter(self.pending))
+            del self.pending[oldest]
+            log.debug("fd listener: %d connections wait for their hello; closed the oldest",
+                      MAX_PENDING)
+            oldest.close()
         try:
             pid = _peer_pid(conn)
         except OSError:
             conn.close()
             return
         chan = FdChannel(conn, self.loop, pid, on_hello=self._hello)
-        self.pending.add(chan)
+        self.pending[chan] = None
         # A connection that never says hello is closed after a bound.
         self.loop.call_later(HELLO_TIMEOUT, self._expire, chan)
         chan.start()
 
     def _hello(self, chan: FdChannel, token: str) -> None:
-        self.pending.discard(chan)
+        self.pending.pop(chan, None)
         self._on_hello(chan, token)
 
     def _expire(self, chan: FdChannel) -> None:
         if chan in self.pending:
-            self.pending.discard(chan)
+            del self.pending[chan]
             chan.close()
 
     def close(self) -> None:

@@ -66,6 +66,11 @@ Link handshake (reference section 8.2, with mutual authentication)::
   ``PUSH`` name the epoch of the streams their bytes travel on, and the serving
   side uses only streams of that epoch. The bytes of each stream start with a
   header naming the request (``req``) they belong to (``_native.sock_header``).
+  ``PULL`` / ``PUSH`` may name the cache's lease generation (``gen``) as the
+  requester's table gave it: a cache that was re-bound since (its ``model_id`` or a
+  row key went to another registration) is refused with ``LLM_KV_CACHE_NOT_EXIST``,
+  (``DONE.stale``), and the requester refreshes its table and retries once, as the
+  one-sided paths do.
 * ``CANCEL {req, epoch}``: the requester gave up request ``req`` (``0``: none) and
   will never use its streams of epoch ``epoch`` or older again. The server drops the
   request if still queued, aborts it if running, and retires those streams.
@@ -416,6 +421,9 @@ _GEOMETRY = Field(_LIST, check=_list_of(Field(_INT, check=_positive_u64), min_le
 _DEADLINE = Field(_INT, check=_range(1, MAX_DEADLINE_MS))
 _STREAMS = Field(_INT, check=_range(1, MAX_STREAMS))
 _EPOCH = Field(_INT, check=_u64)
+# The lease generation of the cache as the requester's table gave it: the server serves
+# only that registration and binding of the cache (a stale one: LLM_KV_CACHE_NOT_EXIST).
+_GEN = Field(_INT, required=False, check=_u64)
 _NONCE = Field(_STR, check=_hex(32, 128))
 _STATUS = Field(_INT, check=_u32)
 _INFO = Field(_STR, check=_text(MAX_TEXT))
@@ -462,6 +470,7 @@ SCHEMAS: Mapping[MsgType, Mapping[str, Field]] = {
         "deadline_ms": _DEADLINE,
         "streams": _STREAMS,
         "epoch": _EPOCH,
+        "gen": _GEN,
     },
     MsgType.PUSH: {
         "req": Field(_INT, check=_u64),
@@ -470,8 +479,16 @@ SCHEMAS: Mapping[MsgType, Mapping[str, Field]] = {
         "deadline_ms": _DEADLINE,
         "streams": _STREAMS,
         "epoch": _EPOCH,
+        "gen": _GEN,
     },
-    MsgType.DONE: {"req": Field(_INT, check=_u64), "status": _STATUS, "info": _INFO},
+    MsgType.DONE: {
+        "req": Field(_INT, check=_u64),
+        "status": _STATUS,
+        "info": _INFO,
+        # True: refused because the requester's table is stale (the cache is gone or was
+        # re-bound); nothing moved, and a refreshed table may name the right cache.
+        "stale": Field(_BOOL, required=False),
+    },
     MsgType.UNLINK: {"cluster_id": Field(_INT, check=_u64)},
     MsgType.PING: {"t": _TIME},
     MsgType.PONG: {"t": _TIME},

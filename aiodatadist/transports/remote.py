@@ -55,6 +55,10 @@ class RemoteChannel(Channel):
         if not peer.same_host or (self.shm is None and self.cma is None):
             self.fds_settled.set()
         peer.table.on_replace = self._forget_fds
+        # Transfers in pull()/push() (their native jobs have returned when they leave),
+        # and whether the peer closed meanwhile: its mappings go once none runs.
+        self._running = 0
+        self._unmap_pending = False
 
     def _forget_fds(self) -> None:
         # A table update: fds of segments the peer freed are closed now (their memory is
@@ -95,6 +99,25 @@ class RemoteChannel(Channel):
         self.fds_settled.set()
         if self.fds is not None:
             self.fds.close()
+        # The link is gone from the registry (nobody will unlink it): the peer's segments
+        # and lease page are unmapped here, or they (and a dead peer's memory with them)
+        # would stay mapped for the life of this process.
+        if self._running:
+            self._unmap_pending = True
+        else:
+            self._unmap_all()
+
+    def _unmap_all(self) -> None:
+        self._unmap_pending = False
+        if self.shm is not None:
+            self.shm.close()
+        if self.fds is not None:
+            self.fds.release_page()
+
+    def _done(self) -> None:
+        self._running -= 1
+        if self._unmap_pending and not self._running:
+            self._unmap_all()
 
     async def _settle(self, deadline: float | None) -> None:
         if self.fds_settled.is_set():
@@ -168,16 +191,24 @@ class RemoteChannel(Channel):
     async def pull(
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
     ) -> None:
-        await self._settle(call.deadline)
-        self._unmap_freed()
-        await self.path_for(call.api, remote).pull(plan, remote, local, call)
+        self._running += 1
+        try:
+            await self._settle(call.deadline)
+            self._unmap_freed()
+            await self.path_for(call.api, remote).pull(plan, remote, local, call)
+        finally:
+            self._done()
 
     async def push(
         self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call
     ) -> None:
-        await self._settle(call.deadline)
-        self._unmap_freed()
-        await self.path_for(call.api, remote).push(plan, local, remote, call)
+        self._running += 1
+        try:
+            await self._settle(call.deadline)
+            self._unmap_freed()
+            await self.path_for(call.api, remote).push(plan, local, remote, call)
+        finally:
+            self._done()
 
     async def refresh(self, deadline: float | None) -> bool:
         await self.peer.refresh(deadline)

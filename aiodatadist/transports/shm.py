@@ -99,6 +99,19 @@ class ShmPath:
             except _native.NativeError as e:
                 raise from_native(e, api) from e
             self._maps[key] = seg
+        if seg.size < remote.shm_size:
+            # Another table entry naming this segment was mapped with a smaller size: the
+            # offsets checked against this entry's shm_size would reach past our mapping
+            # (a crash, or a copy into whatever else this process has mapped there).
+            raise LLMException(
+                format_error(
+                    api,
+                    LLMStatusCode.LLM_PARAM_INVALID,
+                    f"remote cache {remote.cache_id} claims {remote.shm_size} bytes of segment "
+                    f"{name!r}, which the peer gave as {seg.size} bytes",
+                ),
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
         return seg
 
     async def _job(

@@ -21,6 +21,7 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from .. import _native, _wire
+from .._leases import LeaseStale
 from ..errors import LLMException, LLMStatusCode, format_error, to_status_code
 from .base import Call
 
@@ -60,10 +61,17 @@ def deadline_ms(deadline: float | None, now: float) -> int:
 
 
 def _peer_failure(api: str, reply: dict[str, Any]) -> LLMException:
-    """The peer's DONE failure as an LLMException (a status it made up: LLM_FAILED)."""
+    """The peer's DONE failure as an LLMException (a status it made up: LLM_FAILED).
+
+    A refusal the peer marks ``stale`` (the cache is gone, or was re-bound since our
+    table) comes as :class:`LeaseStale`: nothing moved, and the caller refreshes its table
+    and retries once.
+    """
     code = to_status_code(int(reply["status"]))
     if code == LLMStatusCode.LLM_SUCCESS:
         code = LLMStatusCode.LLM_FAILED
+    if code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST and reply.get("stale") is True:
+        return LeaseStale(format_error(api, code, f"peer: {reply['info']}"), status_code=code)
     return LLMException(format_error(api, code, f"peer: {reply['info']}"), status_code=code)
 
 
@@ -117,7 +125,8 @@ class TcpPath:
             LLMTimeoutError: ``call.deadline`` passed (connecting streams, sending the
                 request, moving bytes or waiting for DONE); the native job has returned.
             LLMException: the peer's failure (its status), the mover's (e.g. a stream
-                carrying another transfer's bytes), or a closed link.
+                carrying another transfer's bytes), or a closed link (LLM_LINK_FAILED,
+                also when the data streams cannot be connected).
             asyncio.CancelledError: the caller was cancelled; raised once the job has returned.
 
         Whenever it does not end with a clean DONE, the streams it used are retired (never
@@ -148,6 +157,17 @@ class TcpPath:
                     ),
                     status_code=LLMStatusCode.LLM_TIMEOUT,
                 ) from None
+            except OSError as e:
+                # The peer stopped listening (it is going away, or was killed): an engine
+                # error like any other broken link, not a bare socket error.
+                raise LLMException(
+                    format_error(
+                        call.api,
+                        LLMStatusCode.LLM_LINK_FAILED,
+                        f"cannot connect data streams to cluster {peer.info.cluster_id}: {e}",
+                    ),
+                    status_code=LLMStatusCode.LLM_LINK_FAILED,
+                ) from e
             body = {
                 "cache_id": remote.cache_id,
                 "deadline_ms": deadline_ms(call.deadline, loop.time()),
@@ -155,6 +175,8 @@ class TcpPath:
                 "epoch": epoch,
                 **extra,
             }
+            if remote.lease is not None:
+                body["gen"] = remote.lease[1]  # served only for this registration and binding
             # Held open until the mover has returned (the job is quiesced before `finally`):
             # a close meanwhile (link dropped, streams replaced) must not free the fd numbers.
             fds = peer.hold_streams(socks)

@@ -374,3 +374,145 @@ async def test_the_book_revokes_on_every_page_or_changes_nothing() -> None:
         for p in peers:
             p.release_page()
         book.close()
+
+
+async def test_an_owner_of_many_segments_keeps_its_fd_channel() -> None:
+    """A new link to a prompt that allocated hundreds of caches: every segment's fd goes
+    out at once, more than the socket buffer holds. The channel queues what does not fit
+    (it used to close itself, leaving the link without one-sided paths); every cache,
+    the last one allocated included, is then pulled over shm with its own bytes."""
+    n = 300
+    prompt = LLMDataDist(LLMRole.PROMPT, 921)
+    decoder = LLMDataDist(LLMRole.DECODER, 922)
+    await prompt.init({"llm.listenIpInfo": "127.0.0.1:0"})
+    await decoder.init({"aiodatadist.DataPath": "shm"})
+    try:
+        desc = CacheDesc(1, [2, 4096], DataType.DT_INT8, Placement.HOST)
+        caches = [
+            prompt.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(921, i))
+            for i in range(n)
+        ]
+        for i, c in enumerate(caches):
+            c.tensors()[0].view(np.uint8)[...] = i % 251 + 1
+        host, port = prompt.listen_address or ("", 0)
+        status, _ = await decoder.link_clusters([cluster_info(921, host, port)])
+        assert status == LLMStatusCode.LLM_SUCCESS
+        arrays = [np.zeros((2, 4096), np.int8)]
+        dst = decoder.cache_manager.register_blocks_cache(desc, arrays)
+        for i in (0, n // 2, n - 1):
+            await decoder.cache_manager.pull_blocks(
+                BlocksCacheKey(921, i), dst, [1], [0], timeout=5
+            )
+            assert (arrays[0][0].view(np.uint8) == i % 251 + 1).all()
+        link = decoder._registry.find(921)
+        assert link is not None and link.channel.fds is not None
+        assert not link.channel.fds.closed
+        # And a burst of allocations on a live link goes through as well.
+        more = [
+            prompt.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(921, n + i))
+            for i in range(n)
+        ]
+        more[-1].tensors()[0].view(np.uint8)[...] = 0xAB
+        await decoder.cache_manager.pull_blocks(
+            BlocksCacheKey(921, 2 * n - 1), dst, [1], [1], timeout=5
+        )
+        assert (arrays[0][1].view(np.uint8) == 0xAB).all()
+        assert not link.channel.fds.closed
+    finally:
+        await decoder.finalize()
+        await prompt.finalize()
+
+
+async def test_a_peer_that_stops_reading_costs_a_bounded_number_of_fds() -> None:
+    """Sends to a peer that never reads queue (a dup of each fd) while the socket is full:
+    past MAX_BACKLOG the channel closes and every queued dup is closed with it."""
+    from aiodatadist._leases import MAX_BACKLOG
+
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    seg = _native.ShmSegment.create(f"/aiodd-{os.getpid()}-backlog", 4096)
+    base = _open_fds()
+    sender = FdChannel(a, loop, os.getpid())
+    try:
+        sent = 0
+        while not sender.closed:
+            sender.send({"t": "seg", "name": f"/aiodd-{os.getpid()}-s{sent}", "size": 4096}, seg.fd)
+            sent += 1
+            if sent % 256 == 0:
+                assert _open_fds() <= base + MAX_BACKLOG + 1
+            assert sent < 100_000, "the channel never gave up on a peer that does not read"
+        assert sent > MAX_BACKLOG  # the socket's own buffer came first
+        await asyncio.sleep(0)  # (closing runs on the loop: we are on it already)
+        assert _open_fds() <= base - 1, "queued fds (or the socket) were left open"
+    finally:
+        sender.close()
+        b.close()
+        seg.close()
+
+
+async def test_idle_connections_to_the_fd_socket_are_bounded() -> None:
+    """Any local process can reach the abstract fd socket: connections that never say
+    hello are held (each for up to HELLO_TIMEOUT) only up to MAX_PENDING at once (past
+    it the oldest is closed), so a flood cannot use up the prompt's fds; the next
+    same-host link still gets its fd channel."""
+    from aiodatadist._leases import MAX_PENDING
+
+    loop = asyncio.get_running_loop()
+    prompt = LLMDataDist(LLMRole.PROMPT, 931)
+    first = LLMDataDist(LLMRole.DECODER, 932)
+    second = LLMDataDist(LLMRole.DECODER, 933)
+    await prompt.init({"llm.listenIpInfo": "127.0.0.1:0", "aiodatadist.DataPath": "shm"})
+    await first.init({"aiodatadist.DataPath": "shm"})
+    await second.init({"aiodatadist.DataPath": "shm"})
+    flood: list[socket.socket] = []
+    try:
+        desc = CacheDesc(1, [2, 4096], DataType.DT_INT8, Placement.HOST)
+        src = prompt.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(931, 0))
+        src.tensors()[0].view(np.uint8)[...] = 0x6D
+        host, port = prompt.listen_address or ("", 0)
+        status, _ = await first.link_clusters([cluster_info(931, host, port)])
+        assert status == LLMStatusCode.LLM_SUCCESS
+        listener = prompt._server._fd_listener
+        assert listener is not None
+        n = MAX_PENDING * 4
+        for _ in range(n):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.connect("\0" + listener.name)
+            flood.append(s)
+            if len(flood) % 32 == 0:
+                await asyncio.sleep(0.01)  # let the prompt accept
+        # The oldest are closed by the prompt as newer ones come: their reads see the end.
+        oldest = flood[: n - MAX_PENDING]
+        ended: set[int] = set()
+
+        def oldest_closed() -> bool:
+            for i, s in enumerate(oldest):
+                if i not in ended:
+                    with contextlib.suppress(BlockingIOError):
+                        if s.recv(16) == b"":
+                            ended.add(i)
+            assert len(listener.pending) <= MAX_PENDING
+            return len(ended) == len(oldest)
+
+        await _until(oldest_closed, timeout=10)
+        assert len(listener.pending) == MAX_PENDING
+        # With the flood still holding MAX_PENDING connections, a new link gets its channel.
+        status, _ = await second.link_clusters([cluster_info(931, host, port)])
+        assert status == LLMStatusCode.LLM_SUCCESS
+        arrays = [np.zeros((2, 4096), np.int8)]
+        dst = second.cache_manager.register_blocks_cache(desc, arrays)
+        await second.cache_manager.pull_blocks(BlocksCacheKey(931, 0), dst, [1], [1], timeout=5)
+        assert (arrays[0][1].view(np.uint8) == 0x6D).all()
+        link = second._registry.find(931)
+        assert link is not None and link.channel.fds is not None
+        assert not link.channel.fds.closed
+        assert len(listener.pending) <= MAX_PENDING
+        del loop
+    finally:
+        for s in flood:
+            s.close()
+        await second.finalize()
+        await first.finalize()
+        await prompt.finalize()
