@@ -231,6 +231,18 @@ class LeaseBook:
         """``fn()``: ``(name, size, fd)`` of every live segment, pushed to each new link."""
         self._segments = fn
 
+    def _publish(self, entry: CacheEntry, slot: int, gen: int) -> None:
+        """Records ``entry``'s lease and writes it into every live page (lock held)."""
+        self._leases[entry.cache_id] = (slot, gen)
+        entry.lease = (slot, gen)
+        self._publish_live(slot, gen)
+
+    def _publish_live(self, slot: int, gen: int) -> None:
+        """Writes ``gen`` into ``slot`` of every page whose link is still up (lock held)."""
+        for p in self._pages:
+            if not p.retired:
+                _native.lease_publish(p.page.addr(slot), gen)
+
     # ---------------------------------------------------------------- grants
 
     def grant(self, entry: CacheEntry) -> None:
@@ -251,12 +263,7 @@ class LeaseBook:
                     LLMStatusCode.LLM_OUT_OF_MEMORY,
                     f"at most {SLOTS} caches can be registered at once",
                 )
-            gen = next(self._gens)
-            self._leases[entry.cache_id] = (slot, gen)
-            entry.lease = (slot, gen)
-            for p in self._pages:
-                if not p.retired:
-                    _native.lease_publish(p.page.addr(slot), gen)
+            self._publish(entry, slot, next(self._gens))
 
     def renew(self, entry: CacheEntry) -> None:
         """A new generation for a live cache (it lost an index binding): peers that resolved
@@ -267,12 +274,7 @@ class LeaseBook:
             if held is None:
                 return
             slot, _ = held
-            gen = next(self._gens)
-            self._leases[entry.cache_id] = (slot, gen)
-            entry.lease = (slot, gen)
-            for p in self._pages:
-                if not p.retired:
-                    _native.lease_publish(p.page.addr(slot), gen)
+            self._publish(entry, slot, next(self._gens))
 
     def revoke(self, entry: CacheEntry, timeout: float) -> bool:
         """Revokes ``entry``'s lease on every page and waits until no peer copy under it
@@ -306,10 +308,7 @@ class LeaseBook:
             held = self._leases.get(entry.cache_id)
             if held is None:
                 return
-            slot, gen = held
-            for p in self._pages:
-                if not p.retired:
-                    _native.lease_publish(p.page.addr(slot), gen)
+            self._publish(entry, *held)
 
     def release(self, entry: CacheEntry) -> None:
         """After a successful :meth:`revoke`: empties the slot and frees it for reuse."""
@@ -319,10 +318,8 @@ class LeaseBook:
             if held is None:
                 return
             slot, _ = held
-            for p in self._pages:
-                # Revoked pages stay revoked: a stale reader's enter must keep failing.
-                if not p.retired:
-                    _native.lease_publish(p.page.addr(slot), 0)
+            # Revoked (retired) pages stay revoked: a stale reader's enter must keep failing.
+            self._publish_live(slot, 0)
             self._free.append(slot)
             self._prune()
 
