@@ -26,6 +26,7 @@ value of every key it knows and returns a frozen :class:`Options`.
 
 from __future__ import annotations
 
+import enum
 import ipaddress
 import json
 import os
@@ -50,6 +51,7 @@ from .types import ip_to_int
 __all__ = [
     "DATA_PATHS",
     "SECRET_ENV",
+    "DataPath",
     "LLMConfig",
     "LlmConfig",
     "Options",
@@ -98,11 +100,37 @@ OPT_SERVE_TIMEOUT = "aiodatadist.ServeTimeout"
 SECRET_ENV = "AIODATADIST_SECRET"
 """Environment variable holding the shared secret when ``shared_secret`` is not set."""
 
-DATA_PATHS = ("auto", "inproc", "shm", "cma", "tcp")
+
+
+class DataPath(enum.StrEnum):
+    """A data path: how a link moves bytes (``aiodatadist.DataPath`` forces one).
+
+    The one name of each path, used by the options, the wire, the CLI and ``Link``.
+    Being a ``str`` enum, a member equals its value (``DataPath.TCP == "tcp"``).
+    """
+
+    AUTO = "auto"
+    """Pick per transfer: in-process, else same host ``shm``/``cma``, else ``tcp``."""
+    INPROC = "inproc"
+    """Both instances in this process: memcpy."""
+    SHM = "shm"
+    """Same host, the peer's cache in shared memory we map: memcpy."""
+    CMA = "cma"
+    """Same host, the peer's registered memory: ``process_vm_readv/writev``."""
+    TCP = "tcp"
+    """Any hosts: the peer serves the request over data streams."""
+
+    @classmethod
+    def remote(cls) -> tuple[DataPath, ...]:
+        """The cross-process paths, fastest first (the order ``auto`` tries them in)."""
+        return (cls.SHM, cls.CMA, cls.TCP)
+
+
+DATA_PATHS = tuple(p.value for p in DataPath)
 """Accepted values of ``data_path``."""
 
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
-DEFAULT_DATA_PATH = "auto"
+DEFAULT_DATA_PATH = DataPath.AUTO
 DEFAULT_EXECUTOR_THREADS = 2
 DEFAULT_TCP_STREAMS = 2
 DEFAULT_MOVER_THREADS = 2
@@ -759,7 +787,7 @@ class Options:
     enable_cache_manager: bool = False
     enable_remote_cache_accessible: bool = False
     device_id: int | None = None
-    data_path: str = DEFAULT_DATA_PATH
+    data_path: DataPath = DEFAULT_DATA_PATH
     executor_threads: int = DEFAULT_EXECUTOR_THREADS
     shared_secret: bytes | None = field(default=None, repr=False)
     tcp_streams: int = DEFAULT_TCP_STREAMS
@@ -903,8 +931,8 @@ def parse_options(
         enable_cache_manager=enable_cache_manager,
         enable_remote_cache_accessible=remote_accessible,
         device_id=device_id,
-        data_path=_opt_choice(
-            OPT_DATA_PATH, opts.get(OPT_DATA_PATH, DEFAULT_DATA_PATH), DATA_PATHS
+        data_path=DataPath(
+            _opt_choice(OPT_DATA_PATH, opts.get(OPT_DATA_PATH, DEFAULT_DATA_PATH), DATA_PATHS)
         ),
         executor_threads=get_int(OPT_EXECUTOR_THREADS, DEFAULT_EXECUTOR_THREADS, 1, _THREADS_MAX),
         shared_secret=secret_text.encode() if secret_text else None,

@@ -28,12 +28,19 @@ and a call on an instance that is not initialized raises :class:`RuntimeError`.
 This module also holds the one table that turns the native core's
 ``Status`` values into :class:`LLMStatusCode` (:data:`NATIVE_STATUS_TABLE`,
 :func:`from_native`).  It never imports the native module.
+
+Every error the package raises on purpose is made by :func:`failure` (or
+:func:`from_native` for a caught one). The name of the public call it belongs
+to is attached once, where the call enters the package (:func:`api_scope`, used
+by the facade's decorators); code below the facade never passes it around.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from types import MappingProxyType
 from typing import Any, ClassVar, TypeVar
 
@@ -46,6 +53,9 @@ __all__ = [
     "LLMStatusCode",
     "LLMTimeoutError",
     "Status",
+    "api_scope",
+    "current_api",
+    "failure",
     "format_error",
     "from_native",
     "raise_for_status",
@@ -264,6 +274,40 @@ def format_error(api: str, status: int, info: str = "") -> str:
     return f"{api} failed, error code is {code}."
 
 
+_CURRENT_API: ContextVar[str] = ContextVar("aiodatadist_api", default="aiodatadist")
+
+
+def current_api() -> str:
+    """The public call running in this context (``"aiodatadist"`` outside any)."""
+    return _CURRENT_API.get()
+
+
+@contextlib.contextmanager
+def api_scope(name: str) -> Iterator[None]:
+    """Names the public call for every :func:`failure` made inside (tasks it starts too:
+    they copy the context)."""
+    token = _CURRENT_API.set(name)
+    try:
+        yield
+    finally:
+        _CURRENT_API.reset(token)
+
+
+def failure(code: int, info: str = "", *, api: str | None = None) -> LLMException:
+    """The one constructor of the package's errors: upstream's message for ``code``.
+
+    Args:
+        code: the status (mapped as by :func:`to_status_code`).
+        info: what went wrong, for the message.
+        api: the public call's name; by default the one :func:`api_scope` set.
+
+    Returns:
+        The :class:`LLMException` subclass for ``code`` (raise it).
+    """
+    status = to_status_code(code)
+    return LLMException(format_error(api or _CURRENT_API.get(), status, info), status_code=status)
+
+
 def raise_for_status(status: int, api_name: str, info: str = "") -> None:
     """Raise the :class:`LLMException` for ``status`` unless it is success.
 
@@ -278,7 +322,7 @@ def raise_for_status(status: int, api_name: str, info: str = "") -> None:
     """
     code = to_status_code(status)
     if code != LLMStatusCode.LLM_SUCCESS:
-        raise LLMException(format_error(api_name, code, info), status_code=code)
+        raise failure(code, info, api=api_name)
 
 
 NATIVE_STATUS_TABLE: Mapping[int, LLMStatusCode] = MappingProxyType(
@@ -316,7 +360,7 @@ def _status_of(err: BaseException) -> LLMStatusCode:
     return LLMStatusCode.LLM_FAILED
 
 
-def from_native(err: BaseException, api: str) -> LLMException:
+def from_native(err: BaseException, api: str | None = None) -> LLMException:
     """Translate an error from the native core (or a transport) into an :class:`LLMException`.
 
     The status is read from ``err.status`` (duck-typed, so the native module is
@@ -331,11 +375,12 @@ def from_native(err: BaseException, api: str) -> LLMException:
     The caller keeps the original as the cause::
 
         except NativeError as e:
-            raise from_native(e, "pull_blocks") from e
+            raise from_native(e) from e
 
     Args:
         err: The caught exception.
-        api: Name of the public API that failed, used in the message.
+        api: Name of the public API that failed, used in the message (by default
+            the one :func:`api_scope` set).
 
     Returns:
         The :class:`LLMException` subclass for the mapped status, with
@@ -351,4 +396,4 @@ def from_native(err: BaseException, api: str) -> LLMException:
     has_errno = isinstance(errno, int) and not isinstance(errno, bool) and errno != 0
     if has_errno and not isinstance(err, OSError):
         info = f"{info} (errno {errno})"
-    return LLMException(format_error(api, code, info), status_code=code)
+    return failure(code, info, api=api)
