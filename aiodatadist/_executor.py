@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 from . import _native
-from .errors import LLMException, LLMStatusCode, format_error, from_native
+from .errors import LLMException, LLMStatusCode, failure, from_native
 
 __all__ = ["INLINE_MAX_BYTES", "Job", "TransferExecutor", "quiesce"]
 
@@ -222,7 +222,7 @@ class TransferExecutor:
         job: Job,
         *,
         deadline: float | None,
-        api: str,
+        api: str | None = None,
         control: _native.Control | None = None,
         inline: bool = False,
     ) -> Any:
@@ -231,7 +231,8 @@ class TransferExecutor:
         Args:
             job: blocking callable taking the job's ``Control``.
             deadline: absolute ``loop.time()`` after which the job is aborted, or None.
-            api: the public API name, used in error messages.
+            api: the public API name for error messages; by default the one the facade
+                set (:func:`~aiodatadist.errors.api_scope`).
             control: an existing abort/progress token, or None for a new one.
             inline: run the job on the calling (loop) thread. Only for jobs that take
                 microseconds (a local copy of at most ``INLINE_MAX_BYTES``): they cannot
@@ -270,21 +271,18 @@ class TransferExecutor:
         finally:
             if timer is not None:
                 timer.cancel()
-        failure = fut.exception()
-        if failure is None:
+        error = fut.exception()
+        if error is None:
             return fut.result()
-        if isinstance(failure, _native.NativeError):
-            if failure.status == _native.Status.ABORTED and expired:
-                raise LLMException(
-                    format_error(
-                        api,
-                        LLMStatusCode.LLM_TIMEOUT,
-                        f"deadline passed after {ctl.bytes_done} of {ctl.total} bytes",
-                    ),
-                    status_code=LLMStatusCode.LLM_TIMEOUT,
+        if isinstance(error, _native.NativeError):
+            if error.status == _native.Status.ABORTED and expired:
+                raise failure(
+                    LLMStatusCode.LLM_TIMEOUT,
+                    f"deadline passed after {ctl.bytes_done} of {ctl.total} bytes",
+                    api=api,
                 ) from None
-            raise from_native(failure, api) from failure
-        raise failure
+            raise from_native(error, api) from error
+        raise error
 
     async def aclose(self, timeout: float | None = 5.0) -> bool:
         """:meth:`shutdown` without blocking the loop: the wait runs on a helper thread."""

@@ -17,6 +17,7 @@ CHUNK_BYTES: int
 """Movers check their abort token at least every ``CHUNK_BYTES`` (4 MiB)."""
 
 class Status(enum.IntEnum):
+    # ext/core.hpp's enum class Status is the source; tests/test_errors.py checks this copy.
     OK = 0
     FAILED = 1
     PARAM_INVALID = 2

@@ -45,6 +45,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, TypeVar
 
 __all__ = [
+    "NATIVE_STATUS_NAMES",
     "NATIVE_STATUS_TABLE",
     "LLMCacheNotFoundError",
     "LLMException",
@@ -293,19 +294,28 @@ def api_scope(name: str) -> Iterator[None]:
         _CURRENT_API.reset(token)
 
 
-def failure(code: int, info: str = "", *, api: str | None = None) -> LLMException:
+def failure(
+    code: int,
+    info: str = "",
+    *,
+    api: str | None = None,
+    kind: type[LLMException] | None = None,
+) -> LLMException:
     """The one constructor of the package's errors: upstream's message for ``code``.
 
     Args:
         code: the status (mapped as by :func:`to_status_code`).
         info: what went wrong, for the message.
         api: the public call's name; by default the one :func:`api_scope` set.
+        kind: a more specific class than the one ``code`` selects (a private
+            subclass a caller catches, e.g. a stale lease); by default that one.
 
     Returns:
         The :class:`LLMException` subclass for ``code`` (raise it).
     """
     status = to_status_code(code)
-    return LLMException(format_error(api or _CURRENT_API.get(), status, info), status_code=status)
+    message = format_error(api or _CURRENT_API.get(), status, info)
+    return (kind or LLMException)(message, status_code=status)
 
 
 def raise_for_status(status: int, api_name: str, info: str = "") -> None:
@@ -325,24 +335,33 @@ def raise_for_status(status: int, api_name: str, info: str = "") -> None:
         raise failure(code, info, api=api_name)
 
 
+# ext/core.hpp's ``enum class Status`` is the one source of the native values and names;
+# tests/test_errors.py checks this table, the binding and the stub against it.
+_NATIVE_STATUS: tuple[tuple[int, str, LLMStatusCode], ...] = (
+    (0, "OK", _S.LLM_SUCCESS),
+    (1, "FAILED", _S.LLM_FAILED),
+    (2, "PARAM_INVALID", _S.LLM_PARAM_INVALID),
+    (3, "OUT_OF_RANGE", _S.LLM_PARAM_INVALID),
+    (4, "OVERLAP", _S.LLM_PARAM_INVALID),
+    (5, "ABORTED", _S.LLM_TIMEOUT),  # a mover is aborted only on deadline or cancel
+    (6, "TIMEOUT", _S.LLM_TIMEOUT),
+    (7, "PERMISSION_DENIED", _S.LLM_LINK_FAILED),  # the peer's memory cannot be reached
+    (8, "NO_SUCH_PROCESS", _S.LLM_LINK_FAILED),  # the peer is gone
+    (9, "PEER_CLOSED", _S.LLM_LINK_FAILED),
+    (10, "IO_ERROR", _S.LLM_FAILED),
+    (11, "NO_MEMORY", _S.LLM_OUT_OF_MEMORY),
+    (12, "STALE", _S.LLM_FAILED),  # a data stream carried another transfer's bytes
+)
+
 NATIVE_STATUS_TABLE: Mapping[int, LLMStatusCode] = MappingProxyType(
-    {
-        0: _S.LLM_SUCCESS,  # OK
-        1: _S.LLM_FAILED,  # FAILED
-        2: _S.LLM_PARAM_INVALID,  # PARAM_INVALID
-        3: _S.LLM_PARAM_INVALID,  # OUT_OF_RANGE
-        4: _S.LLM_PARAM_INVALID,  # OVERLAP
-        5: _S.LLM_TIMEOUT,  # ABORTED: a mover is aborted only on deadline or cancel
-        6: _S.LLM_TIMEOUT,  # TIMEOUT
-        7: _S.LLM_LINK_FAILED,  # PERMISSION_DENIED: the peer's memory cannot be reached
-        8: _S.LLM_LINK_FAILED,  # NO_SUCH_PROCESS: the peer is gone
-        9: _S.LLM_LINK_FAILED,  # PEER_CLOSED
-        10: _S.LLM_FAILED,  # IO_ERROR
-        11: _S.LLM_OUT_OF_MEMORY,  # NO_MEMORY
-        12: _S.LLM_FAILED,  # STALE: a data stream carried another transfer's bytes
-    }
+    {value: code for value, _, code in _NATIVE_STATUS}
 )
 """The one mapping from ``aiodatadist._native.Status`` values to :class:`LLMStatusCode`."""
+
+NATIVE_STATUS_NAMES: Mapping[int, str] = MappingProxyType(
+    {value: name for value, name, _ in _NATIVE_STATUS}
+)
+"""The name of each ``aiodatadist._native.Status`` value (for messages and the drift test)."""
 
 
 def _status_of(err: BaseException) -> LLMStatusCode:

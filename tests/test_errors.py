@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import ast
+import contextvars
 import copy
 import pickle
+import re
+from pathlib import Path
 
 import pytest
 
 from aiodatadist import errors
 from aiodatadist.errors import (
+    NATIVE_STATUS_NAMES,
     NATIVE_STATUS_TABLE,
     LLMCacheNotFoundError,
     LLMException,
@@ -17,6 +22,9 @@ from aiodatadist.errors import (
     LLMStatusCode,
     LLMTimeoutError,
     Status,
+    api_scope,
+    current_api,
+    failure,
     format_error,
     from_native,
     raise_for_status,
@@ -202,21 +210,71 @@ def test_status_helper() -> None:
     assert Status(3).status_code is S.LLM_FAILED
 
 
-EXPECTED_NATIVE = {
-    0: S.LLM_SUCCESS,
-    1: S.LLM_FAILED,
-    2: S.LLM_PARAM_INVALID,
-    3: S.LLM_PARAM_INVALID,
-    4: S.LLM_PARAM_INVALID,
-    5: S.LLM_TIMEOUT,
-    6: S.LLM_TIMEOUT,
-    7: S.LLM_LINK_FAILED,
-    8: S.LLM_LINK_FAILED,
-    9: S.LLM_LINK_FAILED,
-    10: S.LLM_FAILED,
-    11: S.LLM_OUT_OF_MEMORY,
-    12: S.LLM_FAILED,
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def core_status() -> dict[str, int]:
+    """``enum class Status`` of ext/core.hpp, the one source: name -> value."""
+    text = (ROOT / "ext" / "core.hpp").read_text()
+    body = re.search(r"enum class Status\s*:\s*int\s*\{(.*?)\};", text, re.S)
+    assert body is not None, "no `enum class Status : int { ... };` in ext/core.hpp"
+    code = re.sub(r"//[^\n]*|/\*.*?\*/", "", body.group(1), flags=re.S)
+    entries = [e.strip() for e in code.split(",") if e.strip()]
+    status: dict[str, int] = {}
+    for entry in entries:
+        m = re.fullmatch(r"([A-Z_][A-Z0-9_]*)\s*=\s*(\d+)", entry)
+        assert m is not None, f"unparsed Status entry {entry!r}: give every entry a value"
+        status[m.group(1)] = int(m.group(2))
+    return status
+
+
+def binding_status() -> dict[str, str]:
+    """``py::native_enum<Status>`` of ext/bindings.cpp: Python name -> C++ enumerator."""
+    text = (ROOT / "ext" / "bindings.cpp").read_text()
+    block = re.search(r"native_enum<Status>(.*?)\.finalize\(\)", text, re.S)
+    assert block is not None, "no py::native_enum<Status> in ext/bindings.cpp"
+    return dict(re.findall(r'\.value\("(\w+)",\s*Status::(\w+)\)', block.group(1)))
+
+
+def stub_status() -> dict[str, int]:
+    """``class Status`` of aiodatadist/_native.pyi: name -> value."""
+    tree = ast.parse((ROOT / "aiodatadist" / "_native.pyi").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Status")
+    out: dict[str, int] = {}
+    for node in cls.body:
+        if isinstance(node, ast.Assign):
+            (target,) = node.targets
+            assert isinstance(target, ast.Name) and isinstance(node.value, ast.Constant)
+            out[target.id] = node.value.value
+    return out
+
+
+CORE_STATUS = core_status()
+
+# What each native status means to a caller (by name: the values come from core.hpp).
+EXPECTED_NATIVE_BY_NAME = {
+    "OK": S.LLM_SUCCESS,
+    "FAILED": S.LLM_FAILED,
+    "PARAM_INVALID": S.LLM_PARAM_INVALID,
+    "OUT_OF_RANGE": S.LLM_PARAM_INVALID,
+    "OVERLAP": S.LLM_PARAM_INVALID,
+    "ABORTED": S.LLM_TIMEOUT,
+    "TIMEOUT": S.LLM_TIMEOUT,
+    "PERMISSION_DENIED": S.LLM_LINK_FAILED,
+    "NO_SUCH_PROCESS": S.LLM_LINK_FAILED,
+    "PEER_CLOSED": S.LLM_LINK_FAILED,
+    "IO_ERROR": S.LLM_FAILED,
+    "NO_MEMORY": S.LLM_OUT_OF_MEMORY,
+    "STALE": S.LLM_FAILED,
 }
+EXPECTED_NATIVE = {CORE_STATUS[name]: code for name, code in EXPECTED_NATIVE_BY_NAME.items()}
+
+
+def test_core_status_parsed() -> None:
+    assert CORE_STATUS["OK"] == 0
+    assert len(set(CORE_STATUS.values())) == len(CORE_STATUS), "duplicate native values"
+    # A new native status needs a decision here about what it means to callers.
+    assert set(EXPECTED_NATIVE_BY_NAME) == set(CORE_STATUS)
 
 
 def test_native_status_table() -> None:
@@ -225,24 +283,24 @@ def test_native_status_table() -> None:
         NATIVE_STATUS_TABLE[99] = S.LLM_FAILED  # type: ignore[index]
 
 
+def test_native_status_table_matches_core_header() -> None:
+    assert set(NATIVE_STATUS_TABLE) == set(CORE_STATUS.values())
+    assert dict(NATIVE_STATUS_NAMES) == {v: k for k, v in CORE_STATUS.items()}
+
+
+def test_native_status_binding_matches_core_header() -> None:
+    binding = binding_status()
+    assert all(py == cpp for py, cpp in binding.items()), binding
+    assert list(binding) == list(CORE_STATUS)
+
+
+def test_native_status_stub_matches_core_header() -> None:
+    assert stub_status() == CORE_STATUS
+
+
 def test_native_status_table_matches_native_module() -> None:
     native = pytest.importorskip("aiodatadist._native")
-    names = {
-        "OK": 0,
-        "FAILED": 1,
-        "PARAM_INVALID": 2,
-        "OUT_OF_RANGE": 3,
-        "OVERLAP": 4,
-        "ABORTED": 5,
-        "TIMEOUT": 6,
-        "PERMISSION_DENIED": 7,
-        "NO_SUCH_PROCESS": 8,
-        "PEER_CLOSED": 9,
-        "IO_ERROR": 10,
-        "NO_MEMORY": 11,
-        "STALE": 12,
-    }
-    assert {m.name: int(m) for m in native.Status} == names
+    assert {name: int(m) for name, m in native.Status.__members__.items()} == CORE_STATUS
     assert set(NATIVE_STATUS_TABLE) == {int(m) for m in native.Status}
 
 
@@ -317,3 +375,38 @@ def test_module_docstring_draws_the_tree() -> None:
 def test_all_names_exist() -> None:
     for name in errors.__all__:
         assert hasattr(errors, name), name
+
+
+def test_failure_uses_the_api_scope() -> None:
+    assert current_api() == "aiodatadist"
+    err = failure(S.LLM_TIMEOUT, "slow")
+    assert isinstance(err, LLMTimeoutError)
+    assert str(err) == "aiodatadist failed, error code is LLMStatusCode.LLM_TIMEOUT, slow."
+    with api_scope("pull_blocks"):
+        assert current_api() == "pull_blocks"
+        assert str(failure(S.LLM_PARAM_INVALID)) == (
+            "pull_blocks failed, error code is LLMStatusCode.LLM_PARAM_INVALID."
+        )
+        # A task started inside copies the context, so it names the same call.
+        ctx = contextvars.copy_context()
+        assert ctx.run(current_api) == "pull_blocks"
+        assert "link failed" in str(failure(S.LLM_FAILED, "x", api="link"))
+    assert current_api() == "aiodatadist"
+
+
+def test_failure_kind_picks_a_more_specific_class() -> None:
+    class Stale(LLMCacheNotFoundError):
+        pass
+
+    err = failure(S.LLM_KV_CACHE_NOT_EXIST, "gone", api="pull_blocks", kind=Stale)
+    assert type(err) is Stale
+    assert err.status_code is S.LLM_KV_CACHE_NOT_EXIST
+    assert (
+        str(err) == "pull_blocks failed, error code is LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, gone."
+    )
+
+
+def test_from_native_uses_the_api_scope() -> None:
+    with api_scope("push_cache"):
+        err = from_native(FakeNativeError(9, "closed"))
+    assert str(err).startswith("push_cache failed, error code is LLMStatusCode.LLM_LINK_FAILED")

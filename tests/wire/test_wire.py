@@ -16,6 +16,7 @@ import pytest
 
 from aiodatadist import _wire as w
 from aiodatadist._wire import MsgType, WireError
+from aiodatadist._wire_schema import _DESCRIPTION
 
 NONCE = "ab" * 32
 MAC = "cd" * 32
@@ -451,7 +452,7 @@ def test_cache_description_accepts_describe_output() -> None:
         shm_offsets=[0, 512],
     )
     d = entry.describe()
-    assert set(d) == set(w._DESCRIPTION)
+    assert set(d) == set(_DESCRIPTION)
     assert w.check_cache_description(d) is d
     back = CacheEntry.from_description(
         w.decode(w.encode(MsgType.TABLE, {"version": 1, "table": [d]})).body["table"][0]
