@@ -33,8 +33,9 @@ The engine's and the baseline's transfers alternate (ABBA) after one warm-up eac
 ``paired`` = median of the per-sample ratios, which the goal (>= 0.9x) is judged on.
 ``--runs N`` repeats the whole measurement (fresh processes) and summarizes the
 paired ratios over the runs. The machinery is ``aiodatadist bench``'s
-(``aiodatadist._cli_bench``); every pull is checked byte for byte, every baseline by
-the hash of its blocks and its destination.
+(``aiodatadist.cli.measure.run_workload``), with the C baselines of ``cbaselines.py`` and
+the memory accounting of ``memory_accounting.py``; every pull is checked byte for byte,
+every baseline by the hash of its blocks and its destination.
 """
 
 from __future__ import annotations
@@ -51,16 +52,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aiodatadist._cli_bench import (
-    DEFAULT_SEED,
-    WORKLOADS,
-    Point,
-    baseline_spec,
-    find_c_baselines,
-    host_meta,
-    memory_note,
-    run_workload,
-)
+from cbaselines import baseline_spec, c_baselines, find_c_baselines
+from memory_accounting import host_meta, memory_note, observe
+
+from aiodatadist.cli.measure import Point, run_workload
+from aiodatadist.cli.workloads import DEFAULT_SEED, WORKLOADS
 
 GOAL = 0.9
 PATHS = ("shm", "cma", "tcp")
@@ -94,11 +90,13 @@ def table(points: list[Point]) -> str:
     lines = [hdr, "-" * (len(hdr) + 16)]
     for p in points:
         huge = "/".join(
-            "?" if x is None else f"{100 * x:.0f}%" for x in (p.huge_engine, p.huge_baseline)
+            "?" if x is None else f"{100 * x:.0f}%"
+            for x in (p.extra.get("huge_pages_engine"), p.extra.get("huge_pages_baseline"))
         )
         flag = "" if p.verified else "  DATA MISMATCH"
+        memory = p.extra.get("memory", "")
         lines.append(
-            f"{p.path:<5} {p.memory:<12} {_f(p.median, '.2f'):>11} {_span(p.samples):>12}  "
+            f"{p.path:<5} {memory:<12} {_f(p.median, '.2f'):>11} {_span(p.samples):>12}  "
             f"{p.baseline or '-':<24} {_f(p.baseline_median, '.2f'):>6} "
             f"{_span(p.baseline_samples):>12} {_f(p.ratio):>6} {_f(p.paired_ratio):>6}  "
             f"{huge:<9}  {_verdict(p)}{flag}" + (f"  ({p.note})" if p.note else "")
@@ -123,7 +121,7 @@ def summary(runs: list[list[Point]], tcp_batch_bytes: int = 0) -> dict[str, dict
                 else ""
             ),
             "baseline": pts[0].baseline,
-            "memory": pts[0].memory,
+            "memory": pts[0].extra.get("memory", ""),
             "runs": len(pts),
             "engine_median_gbps": [round(p.median or 0, 4) for p in pts],
             "baseline_median_gbps": [round(p.baseline_median or 0, 4) for p in pts],
@@ -147,8 +145,9 @@ async def measure(args: argparse.Namespace) -> list[list[Point]]:
         load = os.getloadavg()[0]
         skipped: dict[str, str] = {}
         points = await run_workload(
-            w, args.pool, [args.blocks], args.paths, args, exe, None, skipped
-        )
+            w, args.pool, [args.blocks], args.paths, args, None, skipped,
+            baseline=c_baselines(exe, args.tcp_batch_bytes), observe=observe,
+        )  # fmt: skip
         order = {p: k for k, p in enumerate(PATHS)}
         points.sort(key=lambda p: order[p.path])
         runs.append(points)

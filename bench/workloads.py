@@ -1,11 +1,11 @@
 """The standard workloads and pull shapes of DESIGN.md ("Standard workloads"), as data.
 
-Benchmarks import this module. The block-list generator (:class:`SplitMix64`,
-:func:`random_blocks`, :func:`blocks_hash`, :data:`DEFAULT_SEED`) is the one of
-``aiodatadist._cli_bench`` (``aiodatadist bench``), re-exported here so that the
-package and these scripts cannot drift apart (the package cannot import ``bench/``);
-the rest needs nothing but the standard library (numpy only for
-:meth:`Workload.np_dtype`, imported lazily).
+Benchmarks import this module. The workloads (:class:`Workload`, :data:`WORKLOADS`)
+and the block-list generator (:class:`SplitMix64`, :func:`random_blocks`,
+:func:`blocks_hash`, :data:`DEFAULT_SEED`) are the one definition in
+``aiodatadist.cli.workloads`` (``aiodatadist bench`` uses it), re-exported here so that
+the package and these scripts cannot drift apart (the package cannot import
+``bench/``); this module adds the pull shapes, standard library only.
 
 A KV cache of a workload is ``num_tensors = num_layers * tensors_per_layer``
 tensors, each ``[num_blocks, *block_shape]`` of ``dtype``; a block of one tensor
@@ -20,11 +20,16 @@ the same segments as the Python benchmarks for the same ``seed`` (both print
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
 
-from aiodatadist._cli_bench import DEFAULT_SEED, SplitMix64, blocks_hash, random_blocks
+from aiodatadist.cli.workloads import (
+    DEFAULT_SEED,
+    WORKLOADS,
+    SplitMix64,
+    Workload,
+    blocks_hash,
+    random_blocks,
+)
 
 __all__ = [
     "DEFAULT_SEED",
@@ -38,72 +43,6 @@ __all__ = [
     "make_pull",
     "random_blocks",
 ]
-
-_ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4, "int8": 1, "uint8": 1}
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One standard KV-cache layout."""
-
-    name: str
-    num_layers: int
-    tensors_per_layer: int  # 2 for K,V; 1 for MLA-style latent caches
-    block_shape: tuple[int, ...]  # per-block shape of one tensor: (tokens, heads, head_dim)
-    dtype: str  # "fp16" | "bf16" | ...
-
-    @property
-    def num_tensors(self) -> int:
-        return self.num_layers * self.tensors_per_layer
-
-    @property
-    def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
-
-    @property
-    def block_elems(self) -> int:
-        return math.prod(self.block_shape)
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block of one tensor."""
-        return self.block_elems * self.itemsize
-
-    @property
-    def block_bytes_all_tensors(self) -> int:
-        """Bytes of one block across every tensor of the cache."""
-        return self.block_bytes * self.num_tensors
-
-    def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (num_blocks, *self.block_shape)
-
-    def tensor_bytes(self, num_blocks: int) -> int:
-        return num_blocks * self.block_bytes
-
-    def np_dtype(self) -> Any:
-        """The numpy dtype used to hold this workload (bf16 is held as raw uint16)."""
-        import numpy as np
-
-        return {
-            "fp16": np.float16,
-            "bf16": np.uint16,
-            "fp32": np.float32,
-            "int8": np.int8,
-            "uint8": np.uint8,
-        }[self.dtype]
-
-
-WORKLOADS: dict[str, Workload] = {
-    w.name: w
-    for w in (
-        # 32 layers x K,V; [num_blocks, 128 tokens, 8 heads, 128 dim] fp16: 256 KiB/block/tensor.
-        Workload("llama8b-fp16", 32, 2, (128, 8, 128), "fp16"),
-        # 4 layers x K,V; [num_blocks, 16, 2, 64] fp16: 4 KiB / block / tensor (per-call overhead).
-        Workload("small", 4, 2, (16, 2, 64), "fp16"),
-        # 61 layers, tensor_num_per_layer=1; [num_blocks, 128, 1, 576] bf16: 144 KiB / block.
-        Workload("mla-like", 61, 1, (128, 1, 576), "bf16"),
-    )
-}
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,38 @@
-"""The benchmarks' memory helpers and ``bench/bench_paths.py``, run as a user runs them.
+"""The source tree's ``bench/``: its memory accounting, C baselines and
+``bench/bench_paths.py``, run as a user runs them.
 
 Nothing here asserts on speed (DESIGN.md, "Rules of the house").
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import mmap
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
 
-from aiodatadist import _cli_bench
+from aiodatadist.cli import workloads as cli_workloads
 from aiodatadist.testing import HUGE_PAGE_BYTES, host_buffer, inproc_pair, make_blocks_cache
 
 REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench"
+
+
+def bench_module(name: str) -> ModuleType:
+    """A module of bench/ (not a package: its scripts import each other by name)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
 
 
 @pytest.mark.parametrize("huge_pages", [True, False])
@@ -40,7 +55,7 @@ def test_huge_share_of_ranges_reads_this_process() -> None:
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         pytest.skip("no MADV_HUGEPAGE here")
     a = host_buffer((8 << 20,), np.uint8, huge_pages=False)
-    share = _cli_bench.huge_share_of_ranges([(a.ctypes.data, a.nbytes)])
+    share = bench_module("memory_accounting").huge_share_of_ranges([(a.ctypes.data, a.nbytes)])
     assert share is None or share == 0.0  # MADV_NOHUGEPAGE: never huge pages
 
 
@@ -63,22 +78,41 @@ async def test_make_blocks_cache_on_huge_pages_pulls_the_same_bytes() -> None:
         assert not dst.tensors[0][2].view(np.uint8).any()
 
 
-def test_bench_workloads_reexport_the_cli_generator() -> None:
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import workloads  # type: ignore[import-not-found]
-    finally:
-        sys.path.remove(str(REPO / "bench"))
-    assert workloads.random_blocks is _cli_bench.random_blocks
-    assert workloads.blocks_hash is _cli_bench.blocks_hash
-    assert workloads.SplitMix64 is _cli_bench.SplitMix64
-    assert workloads.DEFAULT_SEED == _cli_bench.DEFAULT_SEED == 20240601
+def test_bench_workloads_are_the_packages() -> None:
+    """One definition: bench/workloads.py re-exports aiodatadist.cli.workloads."""
+    workloads = bench_module("workloads")
+    for name in ("Workload", "WORKLOADS", "random_blocks", "blocks_hash", "SplitMix64"):
+        assert getattr(workloads, name) is getattr(cli_workloads, name), name
+    assert workloads.DEFAULT_SEED == cli_workloads.DEFAULT_SEED == 20240601
     pull = workloads.make_pull("llama8b-fp16", "64-random-blocks-all-layers")
     assert pull.hash() == "b6fa625bff927c25"  # what the C baselines print for the default
+    assert pull.total_bytes == 2**30 and pull.num_segments == 64 * 64
 
 
+def test_c_baselines_build_on_demand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = BENCH / "c" / "baselines.c"
+    if not src.exists() or shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C baseline sources or no compiler")
+    cbaselines = bench_module("cbaselines")
+    copy = tmp_path / "bench" / "c" / "baselines.c"
+    copy.parent.mkdir(parents=True)
+    shutil.copy(src, copy)
+    monkeypatch.setattr(cbaselines, "_baselines_source", lambda: copy)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    exe, why = cbaselines.find_c_baselines()
+    assert exe is not None and exe.parent == tmp_path / "cache" / "aiodatadist", why
+    assert "built now" in why
+    assert cbaselines.find_c_baselines() == (exe, str(exe))  # cached
+    server = cbaselines.CServer(exe, "memcpy", cli_workloads.WORKLOADS["small"], 8, 4, 5, 1)
+    try:
+        assert server.sample(3) > 0
+    finally:
+        server.close()  # checks the hash of its blocks and its destination
+
+
+@pytest.mark.slow  # a benchmark run
 def test_bench_paths_small_run(tmp_path: Path) -> None:
-    exe, why = _cli_bench.find_c_baselines()
+    exe, why = bench_module("cbaselines").find_c_baselines()
     if exe is None:
         pytest.skip(why)
     js = tmp_path / "paths.json"
@@ -100,3 +134,29 @@ def test_bench_paths_small_run(tmp_path: Path) -> None:
         assert p["paired_ratio"] > 0 and p["memory"]
         assert p["baseline"].startswith("C ")
     assert set(doc["summary"]) == {p["path"] for p in points}
+
+
+@pytest.mark.slow  # a benchmark run
+def test_bench_workloads_c_baselines_json_and_plot(tmp_path: Path) -> None:
+    """bench/bench_workloads.py: the engine against the C baselines, memory accounted, drawn."""
+    exe, why = bench_module("cbaselines").find_c_baselines()
+    if exe is None:
+        pytest.skip(why)
+    js, png = tmp_path / "w.json", tmp_path / "w.png"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_workloads.py"), "--quick", "--workload", "small",
+         "--paths", "inproc,shm,tcp", "--json", str(js), "--plot", str(png)],
+        capture_output=True, text=True, timeout=150, cwd=REPO,
+    )  # fmt: skip
+    print(proc.stdout, proc.stderr)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(js.read_text())
+    assert doc["baseline_kind"] == "c" and "thp_enabled" in doc["meta"]
+    assert {"inproc", "tcp"} <= set(doc["paths"])
+    labels = {"inproc": "C memcpy", "shm": "C memcpy (shm source)", "tcp": "C writev/readv"}
+    for r in doc["results"]:
+        assert r["verified"] is True and r["ratio"] > 0
+        assert r["baseline"] == labels[r["path"]]
+        assert r["memory"] and "huge_pages_engine" in r and "huge_pages_baseline" in r
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "huge e/b" in proc.stdout and "memory = source->destination" in proc.stdout

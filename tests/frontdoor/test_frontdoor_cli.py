@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import errno
 import io
+import itertools
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aiodatadist import _cli_bench, _cli_doctor
 from aiodatadist.cli import Progress, build_parser
+from aiodatadist.cli import doctor as cli_doctor
+from aiodatadist.cli.measure import NATIVE_BASELINE
+from aiodatadist.cli.workloads import DEFAULT_SEED, WORKLOADS, blocks_hash, random_blocks
 from aiodatadist.testing import fill_pattern, pattern_blocks, pattern_mismatches
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,6 +68,7 @@ def test_demo_detects_a_corrupted_byte() -> None:
     assert "verified:" not in proc.stdout
 
 
+@pytest.mark.slow  # a demo run per size
 def test_demo_layer_by_layer_sizes_follow_flags() -> None:
     proc = run("demo", "--layers", "3", "--blocks", "6", "--request-blocks", "4",
                "--block-tokens", "8", "--heads", "1", "--head-dim", "32", "--paths", "cma",
@@ -79,13 +81,14 @@ def test_demo_layer_by_layer_sizes_follow_flags() -> None:
 # --------------------------------------------------------------------------- bench
 
 
+@pytest.mark.slow  # a benchmark run
 def test_bench_quick_json_and_plot(tmp_path: Path) -> None:
     js, png = tmp_path / "out" / "bench.json", tmp_path / "bench.png"
-    proc = run("bench", "--quick", "--json", str(js), "--plot", str(png), timeout=150)
+    proc = run("bench", "--quick", "--json", str(js), timeout=150)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(js.read_text())
     assert doc["meta"]["quick"] is True
-    assert doc["baseline_kind"] in ("c", "native")
+    assert doc["baseline_kind"] == "native"
     paths = set(doc["paths"])
     assert {"inproc", "tcp"} <= paths  # inproc always; loopback tcp on any test machine
     for path in paths:
@@ -95,69 +98,97 @@ def test_bench_quick_json_and_plot(tmp_path: Path) -> None:
         assert r["verified"] is True
         assert r["ratio"] is not None and r["ratio"] > 0
         assert r["median_gbps"] > 0 and r["baseline_median_gbps"] > 0
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert r["baseline"] == NATIVE_BASELINE  # what it is, never "memcpy"
     assert "ratio = engine median / baseline median" in proc.stdout
     for path in paths:
         assert f" {path} " in proc.stdout
+    # The plot is bench/'s (not installed): it draws this report.
+    plot = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "plot.py"), str(js), str(png)],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert plot.returncode == 0, plot.stdout + plot.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # a benchmark run
 def test_bench_native_baseline_states_it(tmp_path: Path) -> None:
     js = tmp_path / "b.json"
     proc = run("bench", "--quick", "--baseline", "native", "--workload", "small",
                "--paths", "inproc,shm", "--json", str(js))  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "baseline: the native local mover alone" in proc.stdout
+    assert "aiodatadist._native.copy_local on the same plan" in proc.stdout
     doc = json.loads(js.read_text())
     assert doc["baseline_kind"] == "native"
-    assert {r["baseline"] for r in doc["results"]} == {"native copy_local"}
+    assert {r["baseline"] for r in doc["results"]} == {NATIVE_BASELINE}
+    assert "_native.copy_local" in NATIVE_BASELINE and "memcpy" not in NATIVE_BASELINE
 
 
-def test_block_lists_match_bench_workloads() -> None:
-    """The CLI's copy of the standard workloads and block draws is bench/workloads.py's."""
-    src = REPO / "bench" / "workloads.py"
-    if not src.exists():
-        pytest.skip("bench/workloads.py is not in this checkout")
-    sys.path.insert(0, str(src.parent))
-    try:
-        import workloads  # type: ignore[import-not-found]
-    finally:
-        sys.path.remove(str(src.parent))
-    for name, w in _cli_bench.WORKLOADS.items():
-        ref = workloads.WORKLOADS[name]
-        assert (w.num_tensors, w.block_bytes, w.tensors_per_layer) == (
-            ref.num_tensors, ref.block_bytes, ref.tensors_per_layer,
-        )  # fmt: skip
-    for pool, n, seed in ((64, 64, 20240601), (64, 16, 1), (8, 1, 3), (5, 4, 9)):
-        assert _cli_bench.random_blocks(pool, pool, n, seed) == workloads.random_blocks(
-            pool, pool, n, seed
-        )
-        s, d = _cli_bench.random_blocks(pool, pool, n, seed)
-        assert _cli_bench.blocks_hash(s, d) == workloads.blocks_hash(s, d)
+def test_bench_has_no_c_baselines_or_plots() -> None:
+    """The installed bench compares with the native mover only (C baselines: bench/)."""
+    proc = run("bench", "--baseline", "c", "--quick")
+    assert proc.returncode == 2 and "invalid choice: 'c'" in proc.stderr
+    assert run("bench", "--plot", "x.png").returncode == 2
 
 
-def test_c_baselines_build_on_demand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    src = REPO / "bench" / "c" / "baselines.c"
-    if not src.exists() or shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("no C baseline sources or no compiler")
-    copy = tmp_path / "bench" / "c" / "baselines.c"
-    copy.parent.mkdir(parents=True)
-    shutil.copy(src, copy)
-    monkeypatch.setattr(_cli_bench, "_baselines_source", lambda: copy)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    exe, why = _cli_bench.find_c_baselines()
-    assert exe is not None and exe.parent == tmp_path / "cache" / "aiodatadist", why
-    assert "built now" in why
-    assert _cli_bench.find_c_baselines() == (exe, str(exe))  # cached
-    server = _cli_bench.CServer(exe, "memcpy", _cli_bench.WORKLOADS["small"], 8, 4, 5, 1)
-    try:
-        assert server.sample(3) > 0
-    finally:
-        server.close()  # checks the hash of its blocks and its destination
+def test_standard_workloads_are_the_designs() -> None:
+    """DESIGN.md "Standard workloads", in the one definition (``aiodatadist.cli.workloads``)."""
+    assert list(WORKLOADS) == ["llama8b-fp16", "small", "mla-like"]
+    llama, small, mla = WORKLOADS.values()
+    # 32 layers x K,V = 64 tensors, each [num_blocks, 128 tokens, 8 heads, 128 dim] fp16:
+    # 256 KiB per block per tensor, 16 MiB per block across tensors
+    assert (llama.num_layers, llama.tensors_per_layer, llama.num_tensors) == (32, 2, 64)
+    assert (llama.block_shape, llama.dtype) == ((128, 8, 128), "fp16")
+    assert llama.block_bytes == 256 * 1024 and llama.block_bytes_all_tensors == 16 * 2**20
+    assert 64 * llama.block_bytes_all_tensors == 2**30  # 64 random blocks, all layers: 1 GiB
+    # 4 layers x K,V, [num_blocks, 16, 2, 64] fp16: 4 KiB per block per tensor
+    assert (small.num_layers, small.tensors_per_layer, small.num_tensors) == (4, 2, 8)
+    assert (small.block_shape, small.dtype, small.block_bytes) == ((16, 2, 64), "fp16", 4096)
+    # 61 layers, tensor_num_per_layer=1, [num_blocks, 128, 1, 576] bf16
+    assert (mla.num_layers, mla.tensors_per_layer, mla.num_tensors) == (61, 1, 61)
+    assert (mla.block_shape, mla.dtype, mla.block_bytes) == ((128, 1, 576), "bf16", 147456)
+    assert np.dtype(mla.np_dtype()).itemsize == 2  # bf16 held as raw 16-bit words
+
+
+@pytest.mark.parametrize(
+    ("pool", "n", "seed"), [(64, 64, 20240601), (64, 16, 1), (8, 1, 3), (5, 4, 9)]
+)
+def test_random_blocks_are_distinct_non_contiguous_and_seeded(pool: int, n: int, seed: int) -> None:
+    src, dst = random_blocks(pool, pool, n, seed)
+    assert (src, dst) == random_blocks(pool, pool, n, seed)  # deterministic in the seed
+    for blocks in (src, dst):
+        assert len(set(blocks)) == n and all(0 <= b < pool for b in blocks)
+        if n > 1 and pool >= 3:  # every block is its own segment
+            assert not any(b == a + 1 for a, b in itertools.pairwise(blocks))
+    # what the C baselines print for the default 1 GiB pull (bench/c/baselines.c)
+    assert blocks_hash(*random_blocks(64, 64, 64, DEFAULT_SEED)) == "b6fa625bff927c25"
+    with pytest.raises(ValueError):
+        random_blocks(4, 4, 5)
+
+
+def test_cli_modules_import_one_way() -> None:
+    """main imports the commands, the commands never import main; nothing in the
+    package builds C, reads /proc memory accounting or draws (that is bench/)."""
+    import ast
+
+    pkg = REPO / "aiodatadist" / "cli"
+    for mod in sorted(pkg.glob("*.py")):
+        text = mod.read_text()
+        for word in ("smaps", "import matplotlib", "shutil.which"):
+            assert word not in text, (mod.name, word)
+        if mod.name in ("main.py", "__init__.py"):
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom):  # not `from . import`: __init__ imports main
+                assert not (node.level == 1 and node.module in (None, "main")), mod.name
+                assert node.module not in ("aiodatadist.cli", "aiodatadist.cli.main"), mod.name
 
 
 # --------------------------------------------------------------------------- doctor
 
 
+@pytest.mark.slow  # probes every data path in processes
 def test_doctor_lists_every_path(tmp_path: Path) -> None:
     js = tmp_path / "doctor.json"
     proc = run("doctor", "--json", str(js))
@@ -192,7 +223,7 @@ def test_doctor_cma_verdict_says_why(
     works: bool,
     words: str,
 ) -> None:
-    rep = _cli_doctor.cma_verdict(scope, child, sibling)
+    rep = cli_doctor.cma_verdict(scope, child, sibling)
     assert rep.works is works
     assert words in rep.detail + " ".join(rep.notes)
 
@@ -200,12 +231,12 @@ def test_doctor_cma_verdict_says_why(
 def test_doctor_exit_status_without_cross_process_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncio
 
-    down = _cli_doctor.PathReport
-    monkeypatch.setattr(_cli_doctor, "probe_shm", lambda: down("shm", False, "no /dev/shm"))
-    monkeypatch.setattr(_cli_doctor, "probe_cma", lambda: down("cma", False, "EPERM"))
-    monkeypatch.setattr(_cli_doctor, "probe_tcp", lambda: down("tcp", False, "no loopback"))
+    down = cli_doctor.PathReport
+    monkeypatch.setattr(cli_doctor, "probe_shm", lambda: down("shm", False, "no /dev/shm"))
+    monkeypatch.setattr(cli_doctor, "probe_cma", lambda: down("cma", False, "EPERM"))
+    monkeypatch.setattr(cli_doctor, "probe_tcp", lambda: down("tcp", False, "no loopback"))
     args = build_parser().parse_args(["doctor", "--no-pull"])
-    assert asyncio.run(_cli_doctor.run_doctor(args)) == 1
+    assert asyncio.run(cli_doctor.run_doctor(args)) == 1
 
 
 # --------------------------------------------------------------------------- parts
@@ -239,7 +270,7 @@ def test_pattern_catches_flips_and_misplaced_blocks() -> None:
 
 
 def test_demo_report_exit_status() -> None:
-    from aiodatadist._cli_demo import PathResult, _report
+    from aiodatadist.cli.demo import PathResult, _report
 
     ok = PathResult("tcp", "ok", nbytes=10, rounds=[0.1], pull_seconds=[0.1])
     gone = PathResult("cma", "unavailable", "process_vm_readv refused: errno EPERM")

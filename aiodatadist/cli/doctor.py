@@ -27,7 +27,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ._peer_proc import python_argv, python_env
+from ..testing.peer import python_argv, python_env
 
 __all__ = ["clean_stale_segments", "run_doctor"]
 
@@ -75,7 +75,7 @@ def versions() -> dict[str, str]:
     """Versions of everything a transfer goes through."""
     import numpy as np
 
-    from . import __version__, _native
+    from .. import __version__, _native
 
     return {
         "aiodatadist": __version__,
@@ -89,7 +89,7 @@ def versions() -> dict[str, str]:
 
 def limits() -> dict[str, str]:
     """The limits that bound transfers on this machine."""
-    from . import _native
+    from .. import _native
 
     out: dict[str, str] = {}
     try:
@@ -168,7 +168,7 @@ def probe_inproc() -> PathReport:
 
 def probe_shm() -> PathReport:
     """Creates a (memfd) segment here, has a child map it read-only and read it back."""
-    from . import _native
+    from .. import _native
 
     name = f"/aiodd-doctor-{os.getpid()}"
     notes = []
@@ -282,7 +282,7 @@ def _cma_probes() -> tuple[tuple[bool, int], tuple[bool, int]]:
     Raises:
         RuntimeError: a probe process misbehaved.
     """
-    from . import _native
+    from .. import _native
 
     target = _child(_SLEEPER)
     prober: subprocess.Popen[str] | None = None
@@ -376,11 +376,11 @@ def probe_tcp() -> PathReport:
 
 async def _end_to_end(reports: dict[str, PathReport]) -> None:
     """Starts a prompt process and pulls (and checks) one block over each cross-process path."""
-    from .datadist import LLMDataDist
-    from .errors import LLMException
-    from .testing import PeerProcess, PromptSpec, cluster_info, make_blocks_cache
-    from .testing import pattern_mismatches as check
-    from .types import BlocksCacheKey, LLMRole
+    from ..datadist import LLMDataDist
+    from ..errors import LLMException
+    from ..testing import PeerProcess, PromptSpec, cluster_info, make_blocks_cache
+    from ..testing import pattern_mismatches as check
+    from ..types import BlocksCacheKey, LLMRole
 
     spec = PromptSpec(num_tensors=4, num_blocks=8, block_shape=(16, 2, 64), seed=11)
     try:

@@ -1,6 +1,6 @@
 """``aiodatadist demo``: two processes exchange a KV cache over loopback, verified.
 
-The prompt is a subprocess (``python -m aiodatadist._peer_proc``): it allocates an
+The prompt is a subprocess (``python -m aiodatadist.testing``): it allocates an
 llama8b-fp16-shaped blocks cache in shared memory, fills it with a seeded pattern
 and listens on 127.0.0.1. The decoder is this process: for each data path (shm,
 cma, tcp) it makes one decoder instance forced to that path
@@ -19,11 +19,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cli import Progress
-from .config import OPT_DATA_PATH, OPT_SYNC_KV_TIMEOUT
-from .datadist import LLMDataDist
-from .errors import LLMException, LLMStatusCode
-from .testing import (
+from ..config import OPT_DATA_PATH, OPT_SYNC_KV_TIMEOUT
+from ..datadist import LLMDataDist
+from ..errors import LLMException, LLMStatusCode
+from ..testing import (
     Mismatch,
     PeerProcess,
     PromptSpec,
@@ -31,7 +30,8 @@ from .testing import (
     host_buffer,
     pattern_mismatches,
 )
-from .types import BlocksCacheKey, LLMRole
+from ..types import BlocksCacheKey, LLMRole
+from .progress import Progress
 
 __all__ = ["run_demo"]
 

@@ -1,7 +1,8 @@
-"""The ``aiodatadist`` command line (also ``python -m aiodatadist``).
+"""The ``aiodatadist`` command line (also ``python -m aiodatadist``): arguments and dispatch.
 
 ``DESCRIPTION`` is what ``aiodatadist --help`` says about it; each command's parser
-describes the command (``demo``, ``bench``, ``doctor``).
+describes the command (``demo``, ``bench``, ``doctor``). The commands live in their own
+modules, imported only when run (so ``--help`` stays fast); they never import this one.
 """
 
 from __future__ import annotations
@@ -9,11 +10,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import time
 from collections.abc import Callable, Sequence
-from typing import TextIO
 
-__all__ = ["DESCRIPTION", "Progress", "main"]
+__all__ = ["DESCRIPTION", "build_parser", "main"]
 
 # What ``aiodatadist --help`` prints above the commands: plain text (no reST markup).
 DESCRIPTION = """\
@@ -23,72 +22,6 @@ Start with 'aiodatadist doctor' (which data paths work on this machine, and why 
 and 'aiodatadist demo --small' (two processes exchange a KV cache, every byte verified).
 'aiodatadist COMMAND --help' describes a command's options.
 """
-
-
-class Progress:
-    """A one-line progress bar on stderr (drawn only when it is a terminal).
-
-    Args:
-        label: what is progressing.
-        total: the count at completion.
-        enabled: draw it; None = when ``stream`` is a terminal.
-    """
-
-    WIDTH = 28
-
-    def __init__(
-        self,
-        label: str,
-        total: int,
-        *,
-        enabled: bool | None = None,
-        stream: TextIO | None = None,
-    ) -> None:
-        self.stream = stream if stream is not None else sys.stderr
-        self.enabled = self.stream.isatty() if enabled is None else enabled
-        self.label = label
-        self.total = max(1, total)
-        self.done = 0
-        self._t0 = time.perf_counter()
-        self._last = 0.0
-        self._drawn = False
-
-    def update(self, done: int, total: int | None = None) -> None:
-        """Sets the count (redraws at most 20 times a second, and at completion)."""
-        if total is not None:
-            self.total = max(1, total)
-        self.done = min(done, self.total)
-        now = time.perf_counter()
-        if self.enabled and (now - self._last >= 0.05 or self.done == self.total):
-            self._last = now
-            self._draw(now)
-
-    def advance(self, n: int = 1) -> None:
-        self.update(self.done + n)
-
-    def _draw(self, now: float) -> None:
-        frac = self.done / self.total
-        fill = int(frac * self.WIDTH)
-        bar = "#" * fill + "." * (self.WIDTH - fill)
-        self.stream.write(
-            f"\r{self.label:<24} [{bar}] {frac * 100:5.1f}% "
-            f"{self.done}/{self.total} {now - self._t0:6.1f}s"
-        )
-        self.stream.flush()
-        self._drawn = True
-
-    def close(self) -> None:
-        """Ends the line (clears it). Idempotent."""
-        if self._drawn:
-            self.stream.write("\r" + " " * (self.WIDTH + 60) + "\r")
-            self.stream.flush()
-            self._drawn = False
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _int_list(text: str) -> list[int]:
@@ -127,7 +60,8 @@ def _progress_flag(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``aiodatadist`` command."""
-    from ._version import __version__
+    from .._version import __version__
+    from .workloads import DEFAULT_SEED, WORKLOADS
 
     parser = argparse.ArgumentParser(
         prog="aiodatadist",
@@ -174,17 +108,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="standard workloads over every data path, against baselines",
+        help="standard workloads over every data path, against the native mover",
         description="Pulls (all layers, random non-contiguous blocks) of the standard "
         "workloads through the engine over every data path that works here, against "
-        "baselines measured in the same run: the plain-C baselines of bench/c (built on "
-        "demand with cc) or, without them, the native local mover alone.",
+        "the native mover alone (aiodatadist._native.copy_local on the same plan, into "
+        "the same destination), measured in the same run, alternated with the engine. "
+        "The plain-C baselines, the huge-page accounting and the plots are the source "
+        "tree's bench/ scripts (bench/README.md).",
     )
     bench.add_argument("--quick", action="store_true", help="a small, fast run (for tests)")
     bench.add_argument(
         "--workload",
         action="append",
-        choices=["llama8b-fp16", "small", "mla-like"],
+        choices=list(WORKLOADS),
         help="workloads to run (repeatable; default all)",
     )
     bench.add_argument(
@@ -202,13 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=None, help="timed samples (default 5)")
     bench.add_argument(
         "--baseline",
-        choices=["auto", "c", "native"],
-        default="auto",
-        help="auto: the C baselines when they can be built, else the native mover",
+        choices=["native"],
+        default="native",
+        help="native: the native mover on the same plan (the only baseline here; "
+        "bench/bench_paths.py compares with plain-C movers)",
     )
-    bench.add_argument("--seed", type=int, default=20240601)
-    bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    bench.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
+    bench.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    bench.add_argument(
+        "--json", metavar="PATH", help="write the results as JSON (bench/plot.py draws them)"
+    )
     _progress_flag(bench)
 
     doctor = sub.add_parser(
@@ -240,15 +178,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "demo":
-            from ._cli_demo import run_demo
+            from .demo import run_demo
 
             return asyncio.run(run_demo(args))
         if args.command == "bench":
-            from ._cli_bench import run_bench
+            from .bench import run_bench
 
             return asyncio.run(run_bench(args))
         if args.command == "doctor":
-            from ._cli_doctor import run_doctor
+            from .doctor import run_doctor
 
             return asyncio.run(run_doctor(args))
     except KeyboardInterrupt:
@@ -258,7 +196,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"aiodatadist {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 2  # pragma: no cover - argparse refuses other commands
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
