@@ -20,10 +20,7 @@ import gc
 import itertools
 import json
 import os
-import select
-import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -34,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from aiodatadist import LLMException, LLMStatusCode
-from aiodatadist.testing import pattern_blocks
+from aiodatadist import LLMException, LLMRole, LLMStatusCode
+from aiodatadist.testing import PeerControl, PeerProcess, pattern_blocks
 
 HERE = Path(__file__).resolve().parent
 ACTOR = HERE / "actor.py"
@@ -263,19 +260,32 @@ LIVE: dict[int, ActorProc] = {}
 
 
 class ActorProc:
-    """One ``actor.py`` process. Started and reaped synchronously (so that it can outlive
-    one test's event loop); commands go over its TCP control port from any loop."""
+    """One peer process with the commands of ``actor.py`` (a plugin of the one harness,
+    :class:`aiodatadist.testing.PeerProcess`). Started and reaped without an event loop
+    (so that it can outlive one test's loop); commands go over its control port from any
+    loop."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], log: Any, ready: dict[str, Any]) -> None:
-        self.proc = proc
+    def __init__(self, peer: PeerProcess, log: Any) -> None:
+        self.peer = peer
         self.log = log
-        self.ready = ready
-        self.killed = False
-        self.cluster_id = 0
+        self.cluster_id = peer.cluster_id
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        assert self.peer.popen is not None
+        return self.peer.popen
+
+    @property
+    def ready(self) -> dict[str, Any]:
+        return self.peer.ready
+
+    @property
+    def killed(self) -> bool:
+        return self.peer.killed
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self.peer.pid
 
     @property
     def address(self) -> tuple[str, int]:
@@ -303,58 +313,32 @@ class ActorProc:
         secret: str | None = None,
         options: dict[str, str] | None = None,
     ) -> ActorProc:
-        argv = [
-            sys.executable,
-            str(ACTOR),
-            "--role",
-            role,
-            "--cluster-id",
-            str(cluster_id),
-            "--data-path",
-            data_path,
-        ]
-        if listen:
-            argv += ["--listen", "127.0.0.1:0"]
+        opts = {"aiodatadist.DataPath": data_path, "llm.SyncKvCacheWaitTime": "5000"}
         if secret is not None:
-            argv += ["--secret", secret]
-        for k, v in (options or {}).items():
-            argv += ["--option", f"{k}={v}"]
-        env = {k: v for k, v in os.environ.items() if k != "AIODATADIST_SECRET"}
-        env["PYTHONUNBUFFERED"] = "1"
+            opts["aiodatadist.SharedSecret"] = secret
+        opts.update(options or {})
         log = tempfile.TemporaryFile("w+")
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
+        peer = PeerProcess(
+            cluster_id=cluster_id,
+            role=LLMRole.PROMPT if role == "prompt" else LLMRole.DECODER,
+            host="127.0.0.1" if listen else None,
+            options=opts,
+            start_timeout=START_TIMEOUT,
+            serve_cache=False,
+            plugin=str(ACTOR),
+            control=True,
             stderr=log,
-            env=env,
-            start_new_session=True,
+            new_session=True,
+            drop_env=("AIODATADIST_SECRET",),
         )
-        a = cls(proc, log, {})
-        a.cluster_id = cluster_id
-        LIVE[proc.pid] = a
-        assert proc.stdout is not None
-        ready: dict[str, Any] = {}
-        end = time.monotonic() + START_TIMEOUT
-        buf = b""
+        a = cls(peer, log)
         try:
-            while b"\n" not in buf:
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"actor did not start in {START_TIMEOUT} s")
-                r, _, _ = select.select([proc.stdout], [], [], left)
-                if r:
-                    chunk = os.read(proc.stdout.fileno(), 4096)
-                    if not chunk:
-                        raise AssertionError("actor exited before it was ready")
-                    buf += chunk
-            ready = json.loads(buf.split(b"\n", 1)[0])
-            assert ready.get("event") == "ready", ready
+            peer.start_blocking()
         except BaseException as e:
             tail = a.stderr_tail()
             a.stop()
             raise AssertionError(f"actor failed to start: {e}; stderr:\n{tail}") from e
-        a.ready = ready
+        LIVE[a.pid] = a
         return a
 
     async def call(self, cmd: str, *, timeout: float = REPLY_TIMEOUT, **kw: Any) -> dict[str, Any]:
@@ -369,75 +353,49 @@ class ActorProc:
 
     @contextlib.asynccontextmanager
     async def session(self, timeout: float = REPLY_TIMEOUT) -> AsyncIterator[Session]:
-        async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection("127.0.0.1", self.control)
-        try:
-            yield Session(self, reader, writer)
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(2):
-                    await writer.wait_closed()
+        async with self.peer.connect(timeout) as control:
+            yield Session(self, control)
 
     def kill(self) -> None:
         """SIGKILL (a crash: no finalize, no unlink)."""
-        if self.proc.poll() is None:
-            self.killed = True
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGKILL)
+        self.peer.kill()
 
     async def wait_dead(self, timeout: float = 5.0) -> int:
-        end = time.monotonic() + timeout
-        while self.proc.poll() is None:
-            if time.monotonic() > end:
-                raise AssertionError(f"actor {self.pid} still alive after {timeout} s")
-            await asyncio.sleep(0.02)
-        LIVE.pop(self.proc.pid, None)
-        return int(self.proc.returncode)
+        try:
+            rc = await self.peer.wait_exit(timeout)
+        except TimeoutError:
+            raise AssertionError(f"actor {self.pid} still alive after {timeout} s") from None
+        LIVE.pop(self.pid, None)
+        return rc
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """Closes its lifeline (it finalizes and exits); SIGKILL if it does not in time."""
         try:
-            if self.proc.poll() is None and self.proc.stdin is not None:
-                with contextlib.suppress(OSError):
-                    self.proc.stdin.close()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(timeout)
-            if self.proc.poll() is None:
-                self.kill()
-                self.proc.wait(5)
+            return self.peer.stop_blocking(timeout)
         finally:
-            for f in (self.proc.stdin, self.proc.stdout):
-                if f is not None:
-                    with contextlib.suppress(OSError):
-                        f.close()
             with contextlib.suppress(OSError):
                 self.log.close()
-            LIVE.pop(self.proc.pid, None)
-        return self.proc.returncode
+            LIVE.pop(self.pid, None)
 
 
 class Session:
-    def __init__(
-        self, actor: ActorProc, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    """One control connection of an actor; a closed connection is an AssertionError that
+    carries the actor's stderr."""
+
+    def __init__(self, actor: ActorProc, control: PeerControl) -> None:
         self.actor = actor
-        self.reader = reader
-        self.writer = writer
+        self.control = control
 
     async def call(self, cmd: str, *, timeout: float = REPLY_TIMEOUT, **kw: Any) -> dict[str, Any]:
-        self.writer.write((json.dumps({"cmd": cmd, **kw}) + "\n").encode())
-        async with asyncio.timeout(timeout):
-            await self.writer.drain()
-            line = await self.reader.readline()
-        if not line:
+        try:
+            return await self.control.call(cmd, timeout=timeout, **kw)
+        except ConnectionError:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.actor.proc.wait(1.0)  # (bounded) so that its exit status is known
             raise AssertionError(
                 f"actor {self.actor.pid} closed the control connection "
                 f"(rc={self.actor.proc.poll()}); stderr:\n{self.actor.stderr_tail()}"
-            )
-        return dict(json.loads(line))
+            ) from None
 
     async def ok(self, cmd: str, **kw: Any) -> dict[str, Any]:
         r = await self.call(cmd, **kw)

@@ -36,9 +36,9 @@ def decoder_options(path: str, **extra: str) -> dict[str, str]:
 def path_in_use(dd: LLMDataDist, cluster_id: int, model_id: int) -> str:
     """The path a pull of ``model_id`` from ``cluster_id`` takes (internals: best effort)."""
     with contextlib.suppress(Exception):
-        channel: Any = dd._registry.find(cluster_id).channel  # type: ignore[union-attr]
-        remote = channel.remote_table.blocks(model_id)
-        return str(channel.path_for("probe", remote).name)
+        path: Any = dd._registry.find(cluster_id).path  # type: ignore[union-attr]
+        remote = path.remote_table.blocks(model_id)
+        return str(path.path_for(remote).kinds[0])
     return "?"
 
 

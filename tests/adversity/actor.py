@@ -1,11 +1,13 @@
-"""The other process of the adversity suite: one ``LLMDataDist`` driven over a TCP socket.
+"""The adversity suite's commands in the peer process: a plugin of the one harness.
 
-Run as ``python tests/adversity/actor.py --role prompt --cluster-id 7 ...``. It
-initializes the instance, prints one JSON line ``{"event": "ready", "port": ...,
-"control": ...}`` on stdout, and answers JSON-line commands on its *control* port
-(``127.0.0.1:control``, one reply line per command line, any number of connections,
-so that tests on any event loop can talk to it) until its stdin reaches EOF (its
-lifeline: when the test process dies, so does this one) or it gets SIGTERM.
+:class:`_common.ActorProc` starts ``aiodatadist.testing``'s peer process (the command
+line of :class:`aiodatadist.testing.PeerProcess`, with ``plugin=<this file>`` and
+``control=True``) without an event loop, so that it can outlive one test's loop. The
+peer process prints one JSON line ``{"event": "ready", "port": ..., "control": ...}``
+on stdout and answers JSON-line commands on its *control* port (``127.0.0.1:control``,
+one reply line per command line, any number of connections, so that tests on any event
+loop can talk to it) until its stdin reaches EOF (its lifeline: when the test process
+dies, so does this one) or it gets SIGTERM.
 
 Every reply has ``ok``; a failure carries ``status`` (an ``LLMException``'s code) or
 ``error`` (``Type: message``). Commands (``cmd``):
@@ -29,33 +31,28 @@ Every reply has ``ok``; a failure carries ``status`` (an ``LLMException``'s code
 * ``pull_loop {cluster_id, model_id, dst, blocks, timeout}``: starts pulling
   ``blocks`` again and again in the background (a decoder to kill mid-pull); replies at
   once. ``loop_stats`` replies how many completed.
-* ``pid``.
+* ``pid`` (built in).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import errno
 import glob
 import inspect
-import json
 import os
-import signal
-import sys
-import threading
 import time
-import traceback
 from typing import Any
 
-from aiodatadist import BlocksCacheKey, LLMDataDist, LLMException, LLMRole
-from aiodatadist.testing import cluster_info, make_blocks_cache, pattern_blocks, pattern_mismatches
-
-
-def emit(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
+from aiodatadist import BlocksCacheKey, LLMDataDist, LLMException
+from aiodatadist.testing import (
+    PeerCommands,
+    cluster_info,
+    make_blocks_cache,
+    pattern_blocks,
+    pattern_mismatches,
+)
 
 
 def fill(tensors: list[Any], seed: int, blocks: list[int]) -> None:
@@ -64,11 +61,9 @@ def fill(tensors: list[Any], seed: int, blocks: list[int]) -> None:
         raw[blocks] = pattern_blocks(seed, t, blocks, raw.shape[1])
 
 
-class Actor:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        role = LLMRole.PROMPT if args.role == "prompt" else LLMRole.DECODER
-        self.dd = LLMDataDist(role, args.cluster_id)
+class Commands(PeerCommands):
+    def __init__(self, dd: LLMDataDist, config: dict[str, Any]) -> None:
+        super().__init__(dd, config)
         self.caches: dict[str, Any] = {}  # name -> FilledCache
         self.specs: dict[str, dict[str, Any]] = {}
         self.old: list[Any] = []  # memory of re-registered caches, kept (and poisoned)
@@ -77,17 +72,11 @@ class Actor:
         self.loop_mismatches = 0
         self.loop_errors: list[str] = []
 
-    def options(self) -> dict[str, str]:
-        a = self.args
-        opts = {"aiodatadist.DataPath": a.data_path, "llm.SyncKvCacheWaitTime": "5000"}
-        if a.listen:
-            opts["llm.listenIpInfo"] = a.listen
-        if a.secret is not None:
-            opts["aiodatadist.SharedSecret"] = a.secret
-        for item in a.option:
-            k, _, v = item.partition("=")
-            opts[k] = v
-        return opts
+    async def close(self) -> None:
+        if self.loop_task is not None:
+            self.loop_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.loop_task
 
     def _make(self, c: dict[str, Any]) -> Any:
         return make_blocks_cache(
@@ -275,85 +264,3 @@ class Actor:
             "mismatches": self.loop_mismatches,
             "errors": self.loop_errors[-5:],
         }
-
-    async def cmd_pid(self, c: dict[str, Any]) -> dict[str, Any]:
-        return {"ok": True, "pid": os.getpid()}
-
-    async def handle(self, c: dict[str, Any]) -> dict[str, Any]:
-        fn = getattr(self, "cmd_" + str(c.get("cmd")), None)
-        if fn is None:
-            return {"ok": False, "error": f"unknown command {c.get('cmd')!r}"}
-        try:
-            return dict(await fn(c))
-        except LLMException as e:
-            return {"ok": False, "status": int(e.status_code), "error": str(e)[:2000]}
-        except Exception as e:
-            return {"ok": False, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
-
-    async def conversation(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        try:
-            while line := await reader.readline():
-                reply = await self.handle(json.loads(line))
-                writer.write((json.dumps(reply) + "\n").encode())
-                await writer.drain()
-        except (OSError, ValueError):
-            pass
-        finally:
-            writer.close()
-
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-
-        def lifeline() -> None:
-            with contextlib.suppress(OSError, ValueError):
-                for _ in sys.stdin.buffer:
-                    pass
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(stop.set)
-
-        threading.Thread(target=lifeline, daemon=True).start()
-        await self.dd.init(self.options())
-        server = await asyncio.start_server(self.conversation, "127.0.0.1", 0)
-        try:
-            addr = self.dd.listen_address
-            emit(
-                {
-                    "event": "ready",
-                    "pid": os.getpid(),
-                    "host": None if addr is None else addr[0],
-                    "port": None if addr is None else addr[1],
-                    "control": server.sockets[0].getsockname()[1],
-                }
-            )
-            await stop.wait()
-        finally:
-            server.close()
-            if self.loop_task is not None:
-                self.loop_task.cancel()
-                with contextlib.suppress(BaseException):
-                    await self.loop_task
-            await asyncio.wait_for(self.dd.finalize(), 20)
-
-
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--role", choices=["prompt", "decoder"], default="prompt")
-    p.add_argument("--cluster-id", type=int, required=True)
-    p.add_argument("--listen", default="")
-    p.add_argument("--data-path", default="auto")
-    p.add_argument("--secret", default=None)
-    p.add_argument("--option", action="append", default=[])
-    args = p.parse_args()
-    try:
-        asyncio.run(Actor(args).run())
-    except Exception as e:
-        emit({"event": "error", "error": f"{type(e).__name__}: {e}"})
-        raise
-
-
-if __name__ == "__main__":
-    main()

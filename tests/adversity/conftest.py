@@ -2,8 +2,9 @@
 
 ``@pytest.mark.adversity(ci=SECONDS, weight=W)`` gives a scenario its time: ``ci``
 seconds in CI mode; in long mode (``AIODATADIST_ADVERSITY_SECONDS``) a share of the
-total proportional to ``W``. The ``budget`` fixture returns it, and the scenario's
-pytest timeout is set from it (every wait is bounded: a hang is a failure).
+total proportional to ``W``. The ``budget`` fixture returns it. In long mode the
+scenario's pytest timeout is set from it; in CI mode the suite's one timeout applies
+(every wait is bounded: a hang is a failure).
 """
 
 from __future__ import annotations
@@ -54,8 +55,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         w = float(m.kwargs.get("weight", 1.0)) if m is not None else 0.0
         budget = total * w / total_w if total and total_w else ci
         it.stash[_BUDGET_KEY] = budget
-        # Set-up (processes, links), the budget, and bounded tear-down; a hang fails.
-        it.add_marker(pytest.mark.timeout(int(budget * 1.5) + 90), append=False)
+        if total:
+            # Long mode only: a scenario runs for minutes, and its bound (set-up, the
+            # budget, bounded tear-down) grows with it. In CI mode its budget is a second
+            # or less and the suite's one timeout (pyproject.toml) bounds it.
+            it.add_marker(pytest.mark.timeout(int(budget * 1.5) + 90), append=False)
 
 
 @pytest.fixture

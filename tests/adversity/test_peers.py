@@ -49,6 +49,8 @@ from ._common import (
 )
 from ._rig import decoder_options, rig
 
+pytestmark = pytest.mark.slow  # actor processes under load for seconds: the full run's
+
 PATHS = ["shm", "cma", "tcp"]
 BIG_SHAPE = [256, 2, 64]  # fp16: 64 KiB per block per tensor, 32 MiB per cache
 BIG_BLOCK = 2 * 256 * 2 * 64

@@ -32,6 +32,8 @@ from ._common import (
 )
 from ._rig import Rig, path_in_use, rig
 
+pytestmark = pytest.mark.slow  # actor processes under load for seconds: the full run's
+
 PATHS = ["inproc", "shm", "cma", "tcp"]
 
 

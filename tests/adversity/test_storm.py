@@ -44,6 +44,8 @@ from ._common import (
 )
 from ._rig import Rig, rig
 
+pytestmark = pytest.mark.slow  # actor processes under load for seconds: the full run's
+
 PATHS = ["inproc", "shm", "cma", "tcp"]
 MODES = ["param", "asyncio_timeout", "task_cancel", "move_on", "fail_after", "tg_cancel", "plain"]
 SLACK = 3.0  # seconds past its deadline an interrupted pull may take (a loaded 2-core box)

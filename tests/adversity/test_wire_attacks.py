@@ -38,6 +38,8 @@ from ._common import (
 from ._raw import RawClient, Siege, attacks
 from ._rig import Rig, decoder_options, rig
 
+pytestmark = pytest.mark.slow  # actor processes under load for seconds: the full run's
+
 SECRET = "adversity-secret-\u00e9"
 HANDSHAKE_TIMEOUT = 10.0
 with __import__("contextlib").suppress(Exception):

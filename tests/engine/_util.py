@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 
 from aiodatadist import DataType, LLMDataDist, _native
-from aiodatadist.testing import FilledCache, make_blocks_cache
+from aiodatadist.testing import FilledCache, as_matrix, make_blocks_cache
+from aiodatadist.testing import reference_pull as model_pull
 from aiodatadist.transports.base import Call
-from aiodatadist.transports.inproc import InprocChannel
+from aiodatadist.transports.inproc import InprocPath
 
 MIB = 1 << 20
 
@@ -57,16 +58,20 @@ def reference_pull(
     dst_tensor_start: int,
     tensor_count: int,
 ) -> list[np.ndarray]:
-    """What ``dst`` must hold after a block pull: the numpy model of the semantics.
+    """What ``dst`` must hold after a block pull, per tensor as ``(num_blocks, block_bytes)``.
 
-    For every selected tensor ``k`` and every ``i``, block ``src_blocks[i]`` of source
-    tensor ``src_tensor_start + k`` lands in block ``dst_blocks[i]`` of destination
-    tensor ``dst_tensor_start + k``; every other byte of ``dst`` is unchanged.
+    The model is :func:`aiodatadist.testing.reference_pull`; this only reshapes.
     """
-    out = [d.copy() for d in dst]
-    for k in range(tensor_count):
-        out[dst_tensor_start + k][list(dst_blocks)] = src[src_tensor_start + k][list(src_blocks)]
-    return out
+    block_bytes = dst[0].shape[1]
+    want = model_pull(
+        as_matrix(src),
+        as_matrix(dst),
+        block_bytes,
+        src_blocks,
+        dst_blocks,
+        (src_tensor_start, dst_tensor_start, tensor_count),
+    )
+    return [row.reshape(d.shape) for row, d in zip(want, dst, strict=True)]
 
 
 def assert_bytes(fc: FilledCache, expected: Sequence[np.ndarray]) -> None:
@@ -206,7 +211,7 @@ class _TracedCall(Call):
         return await super().run(wrapped, local_bytes=local_bytes)
 
 
-class TracedChannel(InprocChannel):
+class TracedChannel(InprocPath):
     """An in-process channel that records transfers and delegates to the real one.
 
     Args:
@@ -224,7 +229,7 @@ class TracedChannel(InprocChannel):
             cancelled) before running the real job, which then fails ABORTED.
     """
 
-    def __init__(self, inner: InprocChannel, tracker: Tracker, key: object) -> None:
+    def __init__(self, inner: InprocPath, tracker: Tracker, key: object) -> None:
         super().__init__(inner.remote_table)
         self.inner = inner
         self.tracker = tracker
@@ -237,8 +242,8 @@ class TracedChannel(InprocChannel):
         self.jobs_returned = 0
 
     @property  # type: ignore[override]
-    def name(self) -> str:
-        return self.inner.name
+    def kinds(self) -> Any:
+        return self.inner.kinds
 
     @property
     def remote_table(self) -> Any:
@@ -308,7 +313,7 @@ def instrument(
     inner = link.channel
     if isinstance(inner, TracedChannel):
         return inner
-    assert isinstance(inner, InprocChannel), inner
+    assert isinstance(inner, InprocPath), inner
     ch = TracedChannel(inner, tracker if tracker is not None else Tracker(), id(link.slot))
     link.channel = ch
     return ch

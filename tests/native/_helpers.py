@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 from aiodatadist import _native as n
+from aiodatadist.testing import apply_segments, block_segments, layer_span, reference_pull
 
 HERE = Path(__file__).resolve()
 WORKER_START_TIMEOUT = 60.0  # a cold start under the sanitizer build is slow
@@ -64,6 +65,10 @@ def geometry_of(arr: np.ndarray, block_bytes: int) -> n.Geometry:
 # ---------------------------------------------------------------- references
 
 
+# The model is aiodatadist.testing's (one for every suite); these keep the argument
+# order of the native API the tests mirror.
+
+
 def expected_block_segments(
     block_bytes: int,
     src_blocks: Sequence[int],
@@ -72,25 +77,9 @@ def expected_block_segments(
     dst_tensor_start: int,
     tensor_count: int,
 ) -> list[tuple[int, int, int, int, int]]:
-    """Segments a block plan must hold, computed without the native code:
-    one run per maximal stretch of pairs contiguous on both sides, per tensor."""
-    runs: list[list[int]] = []
-    for s, d in zip(src_blocks, dst_blocks, strict=True):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1][2] += 1
-        else:
-            runs.append([s, d, 1])
-    return [
-        (
-            src_tensor_start + k,
-            s * block_bytes,
-            dst_tensor_start + k,
-            d * block_bytes,
-            c * block_bytes,
-        )
-        for k in range(tensor_count)
-        for s, d, c in runs
-    ]
+    """Segments a block plan must hold: :func:`aiodatadist.testing.block_segments`."""
+    span = (src_tensor_start, dst_tensor_start, tensor_count)
+    return block_segments(block_bytes, src_blocks, dst_blocks, span)
 
 
 def reference_blocks(
@@ -103,33 +92,23 @@ def reference_blocks(
     dst_tensor_start: int,
     tensor_count: int,
 ) -> np.ndarray:
-    """What ``dst`` must hold after a block plan, computed block by block in numpy."""
-    out = dst.copy()
-    for k in range(tensor_count):
-        for s, d in zip(src_blocks, dst_blocks, strict=True):
-            out[dst_tensor_start + k, d * block_bytes : (d + 1) * block_bytes] = src[
-                src_tensor_start + k, s * block_bytes : (s + 1) * block_bytes
-            ]
-    return out
+    """What ``dst`` must hold after a block plan: :func:`aiodatadist.testing.reference_pull`."""
+    span = (src_tensor_start, dst_tensor_start, tensor_count)
+    return reference_pull(src, dst, block_bytes, src_blocks, dst_blocks, span)
 
 
-def reference_segments(src: np.ndarray, dst: np.ndarray, segments: np.ndarray) -> np.ndarray:
-    """What ``dst`` must hold after copying ``segments`` (rows of st, so, dt, do, nbytes)."""
-    out = dst.copy()
-    for st, so, dt, do, nb in np.asarray(segments, dtype=np.int64).tolist():
-        out[dt, do : do + nb] = src[st, so : so + nb]
-    return out
+reference_segments = apply_segments
+"""What ``dst`` must hold after copying ``segments`` (rows of st, so, dt, do, nbytes)."""
 
 
 def layer_range_args(
     tensor_num_per_layer: int, src_layers: tuple[int, int], dst_layers: tuple[int, int]
 ) -> tuple[int, int, int]:
     """(src_tensor_start, dst_tensor_start, tensor_count) for layer ranges [a, b):
-    layer l is tensors [l*T, (l+1)*T) in K,V,...,K,V order."""
+    :func:`aiodatadist.testing.layer_span`, both ranges of one length."""
     t = tensor_num_per_layer
-    count = (src_layers[1] - src_layers[0]) * t
-    assert count == (dst_layers[1] - dst_layers[0]) * t
-    return src_layers[0] * t, dst_layers[0] * t, count
+    assert (src_layers[1] - src_layers[0]) * t == (dst_layers[1] - dst_layers[0]) * t
+    return layer_span(0, src_layers, dst_layers, t)
 
 
 def plan_to_json(plan: n.Plan) -> dict[str, Any]:

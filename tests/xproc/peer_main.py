@@ -1,11 +1,14 @@
-"""The other process of the cross-process tests: one ``LLMDataDist`` driven over stdin.
+"""The cross-process tests' commands in the peer process: a plugin of the one harness.
 
-Run as ``python peer_main.py --role prompt --cluster-id 1 --listen 127.0.0.1:0 ...``.
-It initializes the instance, registers the caches of :mod:`xproc_common` (a
-prompt fills them from ``--seed``, a decoder leaves them zeroed), prints one
-JSON line ``{"event": "ready", "port": ..., "caches": {...}, ...}`` on stdout,
-then answers one JSON command per stdin line with one JSON line, until
-``{"cmd": "quit"}``, the end of stdin, or a signal.
+:class:`xproc_harness.PeerProc` starts ``aiodatadist.testing``'s peer process
+(:class:`aiodatadist.testing.PeerProcess`) with ``plugin=<this file>``. Once the
+instance is initialized, :meth:`Commands.start` registers the caches of
+:mod:`xproc_common` (a prompt fills them from ``seed``, a decoder leaves them zeroed)
+and adds them to the ``ready`` line (``{"event": "ready", "port": ..., "caches":
+{...}, ...}``); the peer process then answers one JSON command per stdin line with
+one JSON line, until ``{"cmd": "quit"}``, the end of stdin, or a signal.
+
+Plugin configuration: ``seed`` (None: a decoder's zeroed caches), ``big_mib``.
 
 Commands (``cmd``; every reply has ``ok`` and, on failure, ``status``/``error``):
 
@@ -37,14 +40,10 @@ Commands (``cmd``; every reply has ``ok`` and, on failure, ``status``/``error``)
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
-import signal
 import sys
 import time
-import traceback
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -57,16 +56,10 @@ from aiodatadist import (
     LayerSynchronizer,
     LLMDataDist,
     LLMException,
-    LLMRole,
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
-from aiodatadist.testing import cluster_info
-
-
-def emit(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
+from aiodatadist.testing import PeerCommands, cluster_info
 
 
 class Always(LayerSynchronizer):
@@ -74,47 +67,25 @@ class Always(LayerSynchronizer):
         return True
 
 
-class PeerMain:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        role = LLMRole.PROMPT if args.role == "prompt" else LLMRole.DECODER
-        self.dd = LLMDataDist(role, args.cluster_id)
+class Commands(PeerCommands):
+    def __init__(self, dd: LLMDataDist, config: dict[str, Any]) -> None:
+        super().__init__(dd, config)
+        self.cluster_id = dd.cluster_id
         self.caches: dict[str, xc.Local] = {}
-
-    def options(self) -> dict[str, str]:
-        a = self.args
-        opts = {"aiodatadist.DataPath": a.data_path, "llm.SyncKvCacheWaitTime": str(a.sync_ms)}
-        if a.listen:
-            opts["llm.listenIpInfo"] = a.listen
-        if a.secret is not None:
-            opts["aiodatadist.SharedSecret"] = a.secret
-        if a.tcp_streams:
-            opts["aiodatadist.TcpStreams"] = str(a.tcp_streams)
-        for item in a.option:
-            key, _, value = item.partition("=")
-            opts[key] = value
-        return opts
 
     def describe(self, local: xc.Local) -> dict[str, Any]:
         return {"cache_id": local.cache.cache_id, "addrs": list(local.cache.tensor_addrs)}
 
-    async def start(self) -> None:
-        await self.dd.init(self.options())
-        seed = self.args.seed if self.args.role == "prompt" else None
-        self.caches = xc.make_caches(self.dd, seed, self.args.cluster_id, self.args.big_mib)
-        addr = self.dd.listen_address
+    async def start(self) -> dict[str, Any]:
+        seed = self.config.get("seed")
+        big_mib = int(self.config.get("big_mib", 0))
+        self.caches = xc.make_caches(self.dd, seed, self.cluster_id, big_mib)
         from aiodatadist._control import host_identity
 
-        emit(
-            {
-                "event": "ready",
-                "pid": os.getpid(),
-                "host": None if addr is None else addr[0],
-                "port": None if addr is None else addr[1],
-                "host_id": host_identity(),
-                "caches": {n: self.describe(c) for n, c in self.caches.items()},
-            }
-        )
+        return {
+            "host_id": host_identity(),
+            "caches": {n: self.describe(c) for n, c in self.caches.items()},
+        }
 
     # ---------------------------------------------------------------- commands
 
@@ -126,7 +97,7 @@ class PeerMain:
             (int(c.get("num_blocks", xc.NUM_BLOCKS)), *xc.BLOCK_SHAPE),
             model_id=int(c["model_id"]),
         )
-        local = xc.make_cache(self.dd, spec, c.get("seed"), self.args.cluster_id)
+        local = xc.make_cache(self.dd, spec, c.get("seed"), self.cluster_id)
         self.caches[spec.name] = local
         return {"ok": True, **self.describe(local)}
 
@@ -171,14 +142,14 @@ class PeerMain:
             if old is not None and not allocate:
                 # Reuses the freed memory for the new registration, as an engine would.
                 cache = self.dd.cache_manager.register_blocks_cache(
-                    spec.desc(), old.keep, BlocksCacheKey(self.args.cluster_id, model_id)
+                    spec.desc(), old.keep, BlocksCacheKey(self.cluster_id, model_id)
                 )
                 local = xc.Local(spec, cache, old.views, old.keep)
                 ref = xc.pattern(int(seed), spec)
                 for t, v in enumerate(local.views):
                     v[...] = ref[t]  # before the loop runs: before any peer hears of it
             else:
-                local = xc.make_cache(self.dd, spec, int(seed), self.args.cluster_id)
+                local = xc.make_cache(self.dd, spec, int(seed), self.cluster_id)
             self.caches[name] = local
             await asyncio.sleep(int(c.get("pause_ms", 0)) / 1000)
         return {"ok": True, "busy": busy}
@@ -215,7 +186,7 @@ class PeerMain:
         link = self.dd._registry.find(cluster_id)
         if link is None or remote is None:
             return "?"
-        return str(link.channel.path_for("probe", remote).name)
+        return str(link.path.path_for(remote).kinds[0])
 
     async def cmd_pull_blocks(self, c: dict[str, Any]) -> dict[str, Any]:
         cid = int(c["cluster_id"])
@@ -231,7 +202,7 @@ class PeerMain:
             timeout=c.get("timeout"),
         )
         link = self.dd._registry.find(cid)
-        remote = None if link is None else link.channel.remote_table.blocks(key.model_id)
+        remote = None if link is None else link.path.remote_table.blocks(key.model_id)
         return {"ok": True, "path": self._path(cid, remote)}
 
     async def cmd_pull_cache(self, c: dict[str, Any]) -> dict[str, Any]:
@@ -247,7 +218,7 @@ class PeerMain:
             timeout=c.get("timeout"),
         )
         link = self.dd._registry.find(cid)
-        hit = None if link is None else link.channel.remote_table.row((key.req_id, 0))
+        hit = None if link is None else link.path.remote_table.row((key.req_id, 0))
         return {"ok": True, "path": self._path(cid, None if hit is None else hit[0])}
 
     async def cmd_push(self, c: dict[str, Any]) -> dict[str, Any]:
@@ -273,82 +244,16 @@ class PeerMain:
         }
 
     async def cmd_serve_stats(self, c: dict[str, Any]) -> dict[str, Any]:
-        """The serving side's counters (``_control.ServeStats``), summed over this
+        """The serving side's counters (``transports.tcp_serve.ServeStats``), summed over this
         instance's links, or for the link to ``cluster_id``."""
         total: dict[str, int] = {}
         for lk in self.dd.links:
-            peer = getattr(lk.channel, "peer", None)
+            peer = getattr(lk.path, "peer", None)
             if peer is None or c.get("cluster_id") not in (None, lk.remote_cluster_id):
                 continue
-            for k, v in vars(peer.serve_stats).items():
+            for k, v in vars(peer.serving.stats).items():
                 total[k] = total.get(k, 0) + int(v)
         return {"ok": True, "stats": total}
 
     async def cmd_digest(self, c: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True, "sha": xc.digests(self.caches[c["name"]].matrix())}
-
-    async def handle(self, c: dict[str, Any]) -> dict[str, Any]:
-        fn = getattr(self, "cmd_" + str(c.get("cmd")), None)
-        if fn is None:
-            return {"ok": False, "error": f"unknown command {c.get('cmd')!r}"}
-        try:
-            return dict(await fn(c))
-        except LLMException as e:
-            return {"ok": False, "status": int(e.status_code), "error": str(e)}
-        except Exception as e:
-            return {"ok": False, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
-
-    async def serve(self) -> None:
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader()
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        stop_wait = loop.create_task(stop.wait())
-        try:
-            while True:
-                read = loop.create_task(reader.readline())
-                done, _ = await asyncio.wait({read, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if read not in done:
-                    read.cancel()
-                    break
-                line = read.result()
-                if not line:
-                    break
-                c = json.loads(line)
-                if c.get("cmd") == "quit":
-                    emit({"ok": True})
-                    break
-                reply = await self.handle(c)
-                reply["cmd"] = c.get("cmd")
-                emit(reply)
-        finally:
-            stop_wait.cancel()
-            await self.dd.finalize()
-
-
-async def amain(args: argparse.Namespace) -> None:
-    peer = PeerMain(args)
-    await peer.start()
-    await peer.serve()
-
-
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--role", choices=["prompt", "decoder"], default="prompt")
-    p.add_argument("--cluster-id", type=int, required=True)
-    p.add_argument("--listen", default="")
-    p.add_argument("--data-path", default="auto")
-    p.add_argument("--secret", default=None)
-    p.add_argument("--tcp-streams", type=int, default=0)
-    p.add_argument("--sync-ms", type=int, default=5000)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--big-mib", type=int, default=0)
-    p.add_argument("--option", action="append", default=[], help="KEY=VALUE, any init option")
-    args = p.parse_args()
-    asyncio.run(amain(args))
-
-
-if __name__ == "__main__":
-    main()

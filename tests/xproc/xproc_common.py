@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from aiodatadist import CacheDesc, DataType, Placement
+from aiodatadist.testing import layer_span, reference_pull
 
 NUM_TENSORS = 4  # 2 layers x (K, V)
 NUM_BLOCKS = 8
@@ -122,6 +123,10 @@ def digests(matrix: np.ndarray) -> list[str]:
     return [hashlib.sha256(np.ascontiguousarray(row).tobytes()).hexdigest() for row in matrix]
 
 
+# The model of a pull is aiodatadist.testing's (one for every suite); these adapt its
+# argument order to the calls of these tests.
+
+
 def tensor_span(
     num_tensors: int,
     src_layers: tuple[int, int] | None,
@@ -129,15 +134,7 @@ def tensor_span(
     tpl: int,
 ) -> tuple[int, int, int]:
     """(src tensor start, dst tensor start, tensor count) of a pull with layer ranges."""
-    s0 = 0 if src_layers is None else src_layers[0] * tpl
-    d0 = 0 if dst_layers is None else dst_layers[0] * tpl
-    if src_layers is not None:
-        n = (src_layers[1] - src_layers[0]) * tpl
-    elif dst_layers is not None:
-        n = (dst_layers[1] - dst_layers[0]) * tpl
-    else:
-        n = num_tensors
-    return s0, d0, n
+    return layer_span(num_tensors, src_layers, dst_layers, tpl)
 
 
 def expect_blocks(
@@ -149,12 +146,7 @@ def expect_blocks(
     span: tuple[int, int, int],
 ) -> np.ndarray:
     """What ``dst`` holds after copying blocks ``src_blocks`` -> ``dst_blocks`` on ``span``."""
-    out = dst.copy()
-    s0, d0, n = span
-    for k in range(n):
-        for s, d in zip(src_blocks, dst_blocks, strict=True):
-            out[d0 + k, d * unit : (d + 1) * unit] = src[s0 + k, s * unit : (s + 1) * unit]
-    return out
+    return reference_pull(src, dst, unit, src_blocks, dst_blocks, span)
 
 
 def expect_row(
@@ -166,14 +158,8 @@ def expect_row(
     span: tuple[int, int, int],
     size: int | None = None,
 ) -> np.ndarray:
-    out = dst.copy()
-    s0, d0, n = span
-    nb = unit if size is None else size
-    for k in range(n):
-        out[d0 + k, dst_row * unit : dst_row * unit + nb] = src[
-            s0 + k, src_row * unit : src_row * unit + nb
-        ]
-    return out
+    """What ``dst`` holds after copying row ``src_row`` (first ``size`` bytes) to ``dst_row``."""
+    return reference_pull(src, dst, unit, [src_row], [dst_row], span, nbytes=size)
 
 
 def layer_range(pair: Sequence[int] | None) -> range | None:

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,7 +23,7 @@ import numpy as np
 import xproc_common as xc
 
 from aiodatadist import BlocksCacheKey, LLMDataDist, LLMRole, _native, _wire
-from aiodatadist.testing import cluster_info
+from aiodatadist.testing import PeerProcess, cluster_info
 
 HERE = Path(__file__).resolve().parent
 PEER_MAIN = HERE / "peer_main.py"
@@ -48,17 +46,26 @@ def leftover_segments(pid: int | None = None) -> list[str]:
 
 
 class PeerProc:
-    """One ``peer_main.py`` process and its JSON-lines conversation."""
+    """One peer process (``aiodatadist.testing``'s, with the commands of ``peer_main.py``)
+    and its JSON-lines conversation; every wait bounded, every failure an AssertionError
+    that carries the process's stderr."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, log: Any, name: str) -> None:
-        self.proc = proc
+    def __init__(self, peer: PeerProcess, log: Any, name: str) -> None:
+        self.peer = peer
         self.log = log
         self.name = name
-        self.ready: dict[str, Any] = {}
+
+    @property
+    def ready(self) -> dict[str, Any]:
+        return self.peer.ready
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self.peer.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.peer.returncode
 
     @property
     def port(self) -> int:
@@ -98,76 +105,55 @@ class PeerProc:
         netns: str | None = None,
         options: dict[str, str] | None = None,
     ) -> PeerProc:
-        argv = [
-            sys.executable,
-            str(PEER_MAIN),
-            "--role",
-            role,
-            "--cluster-id",
-            str(cluster_id),
-            "--data-path",
-            data_path,
-            "--seed",
-            str(seed),
-            "--sync-ms",
-            str(sync_ms),
-        ]
-        if listen:
-            argv += ["--listen", listen]
+        opts = {"aiodatadist.DataPath": data_path, "llm.SyncKvCacheWaitTime": str(sync_ms)}
         if secret is not None:
-            argv += ["--secret", secret]
+            opts["aiodatadist.SharedSecret"] = secret
         if tcp_streams:
-            argv += ["--tcp-streams", str(tcp_streams)]
-        if big_mib:
-            argv += ["--big-mib", str(big_mib)]
-        for key, value in (options or {}).items():
-            argv += ["--option", f"{key}={value}"]
-        if netns is not None:
-            argv = ["ip", "netns", "exec", netns, *argv]
-        full_env = {k: v for k, v in os.environ.items() if k != "AIODATADIST_SECRET"}
-        full_env.update(env or {})
+            opts["aiodatadist.TcpStreams"] = str(tcp_streams)
+        opts.update(options or {})
         log = tempfile.TemporaryFile("w+")
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
+        peer = PeerProcess(
+            cluster_id=cluster_id,
+            role=LLMRole.PROMPT if role == "prompt" else LLMRole.DECODER,
+            host=listen.rpartition(":")[0] if listen else None,
+            options=opts,
+            env=env,
+            start_timeout=START_TIMEOUT,
+            serve_cache=False,
+            plugin=str(PEER_MAIN),
+            plugin_config={"seed": seed if role == "prompt" else None, "big_mib": big_mib},
             stderr=log,
-            env=full_env,
-            start_new_session=True,
+            prefix=() if netns is None else ("ip", "netns", "exec", netns),
+            new_session=True,
+            drop_env=("AIODATADIST_SECRET",),
         )
-        LIVE_PIDS.add(proc.pid)
-        peer = cls(proc, log, f"{role}:{cluster_id}")
+        proc = cls(peer, log, f"{role}:{cluster_id}")
         try:
-            peer.ready = await peer._read(START_TIMEOUT)
-        except BaseException:
-            await peer.stop()
-            raise
-        assert peer.ready.get("event") == "ready", peer.ready
-        return peer
+            await peer.start()
+        except (RuntimeError, TimeoutError) as e:
+            raise AssertionError(f"{proc.name}: {e}; stderr:\n{proc.stderr_tail()}") from None
+        finally:
+            if peer.pid:
+                LIVE_PIDS.add(peer.pid)
+            if peer.returncode is not None:
+                LIVE_PIDS.discard(peer.pid)
+                log.close()
+        return proc
 
-    async def _read(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
+    async def send(self, cmd: str, **kw: Any) -> None:
+        await asyncio.wait_for(self.peer.send(cmd, **kw), REPLY_TIMEOUT)
+
+    async def reply(self, timeout: float = REPLY_TIMEOUT) -> dict[str, Any]:
         try:
-            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+            return await self.peer.reply(timeout)
         except TimeoutError:
             raise AssertionError(
                 f"{self.name}: no reply within {timeout} s; stderr:\n{self.stderr_tail()}"
             ) from None
-        if not line:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.proc.wait(), 2)
+        except RuntimeError:
             raise AssertionError(
-                f"{self.name} exited (rc={self.proc.returncode}); stderr:\n{self.stderr_tail()}"
-            )
-        return dict(json.loads(line))
-
-    async def send(self, cmd: str, **kw: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({"cmd": cmd, **kw}) + "\n").encode())
-        await asyncio.wait_for(self.proc.stdin.drain(), REPLY_TIMEOUT)
-
-    async def reply(self, timeout: float = REPLY_TIMEOUT) -> dict[str, Any]:
-        return await self._read(timeout)
+                f"{self.name} exited (rc={self.returncode}); stderr:\n{self.stderr_tail()}"
+            ) from None
 
     async def call(self, cmd: str, *, timeout: float = REPLY_TIMEOUT, **kw: Any) -> dict[str, Any]:
         """Sends one command and returns its reply (commands are answered in order)."""
@@ -180,29 +166,22 @@ class PeerProc:
         return r
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc.returncode is None:
+        if self.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, sig)
+                os.kill(self.pid, sig)
 
     async def wait_dead(self, timeout: float = STOP_TIMEOUT) -> int:
-        rc = await asyncio.wait_for(self.proc.wait(), timeout)
-        LIVE_PIDS.discard(self.proc.pid)
+        rc = await self.peer.wait_exit(timeout)
+        LIVE_PIDS.discard(self.pid)
         return rc
 
     async def stop(self) -> None:
         """Asks the process to quit (closing stdin), then kills it; always reaps it."""
         try:
-            if self.proc.returncode is None and self.proc.stdin is not None:
-                with contextlib.suppress(Exception):
-                    self.proc.stdin.close()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.proc.wait(), STOP_TIMEOUT)
-            if self.proc.returncode is None:
-                self.kill(signal.SIGKILL)
-            await asyncio.wait_for(self.proc.wait(), STOP_TIMEOUT)
+            await self.peer.stop(STOP_TIMEOUT)
         finally:
-            if self.proc.returncode is not None:
-                LIVE_PIDS.discard(self.proc.pid)
+            if self.returncode is not None:
+                LIVE_PIDS.discard(self.pid)
             with contextlib.suppress(Exception):
                 self.log.close()
 
@@ -261,9 +240,9 @@ def path_of(dd: LLMDataDist, cluster_id: int, model_id: int) -> str:
     """The data path the link to ``cluster_id`` uses for that peer's blocks cache ``model_id``."""
     lk = dd._registry.find(cluster_id)
     assert lk is not None, f"no link to {cluster_id}"
-    remote = lk.channel.remote_table.blocks(model_id)
+    remote = lk.path.remote_table.blocks(model_id)
     assert remote is not None, f"cluster {cluster_id} has no blocks cache {model_id}"
-    return str(lk.channel.path_for("test", remote).name)
+    return str(lk.path.path_for(remote).kinds[0])
 
 
 async def pull_and_check(
