@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, ParamSpec, Protocol, TypeVar, overload
+from typing import Any, ParamSpec, Protocol, TypeVar, cast, overload
 
 from ._executor import quiesce
+from .errors import api_scope
 
-__all__ = ["bridged"]
+__all__ = ["bridged", "public"]
 
 log = logging.getLogger("aiodatadist.bridge")
 
 P = ParamSpec("P")
 R = TypeVar("R")
+F = TypeVar("F", bound=Callable[..., Any])
+
 
 class _HasHomeLoop(Protocol):
     def _home_loop(self) -> asyncio.AbstractEventLoop | None: ...
@@ -132,3 +136,34 @@ async def _stop(on_abandoned: Callable[[R], Awaitable[None]], result: R) -> None
         await on_abandoned(result)
     except Exception:
         log.exception("stopping what an abandoned cross-loop call started failed")
+
+
+def public(
+    name: str, *, on_abandoned: Callable[[Any], Awaitable[None]] | None = None
+) -> Callable[[F], F]:
+    """Marks a public call of the facade: ``name`` goes into every error raised inside
+    (:func:`aiodatadist.errors.api_scope`), once, here; a coroutine is also
+    :func:`bridged` (run on the instance's home loop when awaited from another loop).
+    The decorated function keeps its signature.
+    """
+
+    def decorate(fn: F) -> F:
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def scoped(*args: Any, **kwargs: Any) -> Any:
+                with api_scope(name):
+                    return await fn(*args, **kwargs)
+
+            if on_abandoned is None:
+                return cast(F, bridged(scoped))
+            return cast(F, bridged(on_abandoned=on_abandoned)(scoped))
+
+        @functools.wraps(fn)
+        def scoped_sync(*args: Any, **kwargs: Any) -> Any:
+            with api_scope(name):
+                return fn(*args, **kwargs)
+
+        return cast(F, scoped_sync)
+
+    return decorate

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _native
-from .errors import LLMException, LLMStatusCode, format_error
+from .errors import LLMStatusCode, failure
 from .types import CacheDesc, KvCache
 
 __all__ = ["CacheEntry", "CacheTable", "RowKey"]
@@ -88,21 +88,21 @@ class CacheEntry:
         """Transfers using this cache right now (either side of a link in this process)."""
         return self._busy
 
-    def hold(self, api: str) -> None:
+    def hold(self, api: str | None = None) -> None:
         """Marks one more transfer as using this cache.
+
+        ``api``: the call's name where no public call runs (serving a peer); by
+        default the one :func:`~aiodatadist.errors.api_scope` set.
 
         Raises:
             LLMCacheNotFoundError: the cache was freed or unregistered.
         """
         with self._lock:
             if self.freed:
-                raise LLMException(
-                    format_error(
-                        api,
-                        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                        f"cache {self.cache_id} was unregistered",
-                    ),
-                    status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                raise failure(
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                    f"cache {self.cache_id} was unregistered",
+                    api=api,
                 )
             self._busy += 1
 
@@ -110,7 +110,7 @@ class CacheEntry:
         with self._lock:
             self._busy -= 1
 
-    def mark_freed(self, api: str) -> None:
+    def mark_freed(self) -> None:
         """Marks the entry unusable; refuses while transfers still use it.
 
         Raises:
@@ -118,14 +118,10 @@ class CacheEntry:
         """
         with self._lock:
             if self._busy:
-                raise LLMException(
-                    format_error(
-                        api,
-                        LLMStatusCode.LLM_LINK_BUSY,
-                        f"cache {self.cache_id} is used by {self._busy} transfer(s) in "
-                        "flight; await them before freeing it",
-                    ),
-                    status_code=LLMStatusCode.LLM_LINK_BUSY,
+                raise failure(
+                    LLMStatusCode.LLM_LINK_BUSY,
+                    f"cache {self.cache_id} is used by {self._busy} transfer(s) in "
+                    "flight; await them before freeing it",
                 )
             self.freed = True
 

@@ -16,10 +16,11 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
-from .errors import LLMException, LLMStatusCode, format_error
+from .errors import LLMStatusCode, failure
 
 if TYPE_CHECKING:
-    from .transports.base import Channel
+    from .config import DataPath
+    from .transports.base import Path
 
 __all__ = ["Link", "LinkRegistry", "LinkState"]
 
@@ -45,7 +46,7 @@ class _FifoSlot:
     def busy(self) -> bool:
         return self._lock.locked()
 
-    async def acquire(self, deadline: float | None, api: str) -> None:
+    async def acquire(self, deadline: float | None) -> None:
         if not self._lock.locked() and not self._waiting:
             await self._lock.acquire()  # free and nobody queued: taken at once, no timer
             return
@@ -54,13 +55,9 @@ class _FifoSlot:
             async with asyncio.timeout_at(deadline):
                 await self._lock.acquire()
         except TimeoutError:
-            raise LLMException(
-                format_error(
-                    api,
-                    LLMStatusCode.LLM_TIMEOUT,
-                    "deadline passed while waiting for the link (other transfers hold it)",
-                ),
-                status_code=LLMStatusCode.LLM_TIMEOUT,
+            raise failure(
+                LLMStatusCode.LLM_TIMEOUT,
+                "deadline passed while waiting for the link (other transfers hold it)",
             ) from None
         finally:
             self._waiting -= 1
@@ -70,24 +67,24 @@ class _FifoSlot:
 
 
 class Link:
-    """A link to one remote cluster: its state, data channel and FIFO slot.
+    """A link to one remote cluster: its state, data path and FIFO slot.
 
     Attributes:
         local_cluster_id: this instance's cluster id.
         remote_cluster_id: the peer's cluster id (keys name it).
-        channel: the data path (``inproc``, ``shm``, ``cma``, ``tcp``).
+        path: the link's data path (:class:`~aiodatadist.transports.base.Path`).
     """
 
     def __init__(
         self,
         local_cluster_id: int,
         remote_cluster_id: int,
-        channel: Channel,
+        path: Path,
         slot: _FifoSlot | None = None,
     ) -> None:
         self.local_cluster_id = local_cluster_id
         self.remote_cluster_id = remote_cluster_id
-        self.channel = channel
+        self.path = path
         self.state = LinkState.ACTIVE
         # Both ends of an in-process link share one slot, so a pull on one side
         # and transfer_cache_async on the other never overlap.
@@ -95,27 +92,38 @@ class Link:
         self.transfers = 0  # completed transfers, for stats
 
     @property
-    def data_path(self) -> str:
-        return self.channel.name
+    def data_paths(self) -> tuple[DataPath, ...]:
+        """The data paths this link can use, in the order it prefers them."""
+        return self.path.kinds
+
+    @property
+    def data_path(self) -> DataPath:
+        """The data path this link prefers (the first of :attr:`data_paths`)."""
+        return self.path.kinds[0]
+
+    @property
+    def channel(self) -> Path:
+        """Transition alias of :attr:`path` (removed at the end of the refactor)."""
+        return self.path
+
+    @channel.setter
+    def channel(self, value: Path) -> None:
+        self.path = value
 
     @asynccontextmanager
-    async def exclusive(self, deadline: float | None, api: str) -> AsyncIterator[Link]:
+    async def exclusive(self, deadline: float | None) -> AsyncIterator[Link]:
         """Holds the link's FIFO slot; raises LLM_NOT_YET_LINK once it is closed.
 
         Raises:
             LLMTimeoutError: the deadline passed while waiting for the slot.
             LLMLinkError: the link was closed (unlinked) while waiting.
         """
-        await self.slot.acquire(deadline, api)
+        await self.slot.acquire(deadline)
         try:
             if self.state is not LinkState.ACTIVE:
-                raise LLMException(
-                    format_error(
-                        api,
-                        LLMStatusCode.LLM_NOT_YET_LINK,
-                        f"the link to cluster {self.remote_cluster_id} was closed",
-                    ),
-                    status_code=LLMStatusCode.LLM_NOT_YET_LINK,
+                raise failure(
+                    LLMStatusCode.LLM_NOT_YET_LINK,
+                    f"the link to cluster {self.remote_cluster_id} was closed",
                 )
             yield self
         finally:
@@ -146,13 +154,13 @@ class LinkRegistry:
 
     def add(self, link: Link) -> None:
         if link.remote_cluster_id in self._links:
-            raise LLMException(
+            raise failure(
+                LLMStatusCode.LLM_ALREADY_LINK,
                 f"already linked to cluster {link.remote_cluster_id}",
-                status_code=LLMStatusCode.LLM_ALREADY_LINK,
             )
         self._links[link.remote_cluster_id] = link
 
-    def get(self, cluster_id: int, api: str) -> Link:
+    def get(self, cluster_id: int) -> Link:
         """The active link to ``cluster_id``.
 
         Raises:
@@ -160,12 +168,7 @@ class LinkRegistry:
         """
         link = self._links.get(cluster_id)
         if link is None or link.state is not LinkState.ACTIVE:
-            raise LLMException(
-                format_error(
-                    api, LLMStatusCode.LLM_NOT_YET_LINK, f"no link to cluster {cluster_id}"
-                ),
-                status_code=LLMStatusCode.LLM_NOT_YET_LINK,
-            )
+            raise failure(LLMStatusCode.LLM_NOT_YET_LINK, f"no link to cluster {cluster_id}")
         return link
 
     def find(self, cluster_id: int) -> Link | None:

@@ -32,7 +32,7 @@ from aiodatadist.testing import inproc_pair, make_blocks_cache, pattern_blocks, 
 
 from ._util import SLOW_OPTIONS, executor_of, wait_until
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow]  # HTTP servers and big pulls
 
 TENSORS, BLOCKS, BLOCK_BYTES = 2, 32, 4 << 20
 ALL = list(range(BLOCKS))

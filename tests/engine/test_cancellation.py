@@ -43,6 +43,7 @@ def _pulled(src, dst, s: list[int], d: list[int]) -> bool:
     )
 
 
+@pytest.mark.slow  # a big pull
 async def test_cancel_mid_big_pull(slow_pair: Pair) -> None:
     pair = slow_pair
     big_cache(pair.prompt, model_id=0, fill=True)

@@ -90,6 +90,7 @@ async def test_allocated_cache_and_dtypes(pair: Pair) -> None:
          "dst-out-of-range", "src-out-of-range", "negative-src", "negative-dst",
          "not-a-mapping", "dst-not-a-list", "key-str", "dst-float"],
 )
+@pytest.mark.slow  # a matrix of cases, each with its own linked pair
 async def test_bad_copies_change_nothing(pair: Pair, info, exc: type[BaseException]) -> None:
     fc = pair.decoder_cache(seed=5, num_tensors=2, num_blocks=16, block_shape=BLOCK)
     before = snapshot(fc)

@@ -59,6 +59,7 @@ def loop_b() -> Iterator[asyncio.AbstractEventLoop]:
         loop.close()
 
 
+@pytest.mark.slow  # hundreds of cross-loop calls
 async def test_cancelled_cross_loop_call_never_loses_a_started_task(
     pair: Pair, loop_b: asyncio.AbstractEventLoop
 ) -> None:

@@ -124,6 +124,7 @@ async def test_one_thread_runs_one_job_at_a_time() -> None:
             await other.finalize()
 
 
+@pytest.mark.slow  # a big pull
 async def test_the_loop_keeps_ticking_during_a_big_pull(slow_pair: Pair) -> None:
     pair = slow_pair
     big_cache(pair.prompt, model_id=0, fill=True)

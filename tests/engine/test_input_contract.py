@@ -201,6 +201,7 @@ BAD_IDS = [
 
 @pytest.mark.parametrize("case", BAD_IDS)
 @pytest.mark.asyncio
+@pytest.mark.slow  # a matrix of cases, each with its own linked pair
 async def test_bad_ids_are_refused_and_change_nothing(pair: Pair, case: str) -> None:
     seed = 0x1D5_0100 + BAD_IDS.index(case)
     src = _src(pair, seed)

@@ -219,6 +219,7 @@ BAD_KW = {
 
 
 @pytest.mark.parametrize("case", BAD + list(BAD_KW))
+@pytest.mark.slow  # a matrix of cases, each with its own linked pair
 async def test_errors_leave_the_row_unchanged(pair: Pair, case: str) -> None:
     cache, _ = _rows(pair)
     dst, dst_arrays = _local(pair)
@@ -234,6 +235,7 @@ async def test_errors_leave_the_row_unchanged(pair: Pair, case: str) -> None:
     await pair.decoder.cache_manager.pull_cache(CacheKey(P, 10), dst, 0)  # the link works
 
 
+@pytest.mark.slow  # a big row
 async def test_big_row_times_out_then_works() -> None:
     async with inproc_pair(prompt_id=1, decoder_id=2, options=dict(SLOW_OPTIONS)) as pair:
         desc = CacheDesc(2, [2, 128 * MIB], DataType.DT_UINT8, Placement.HOST)

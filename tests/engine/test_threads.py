@@ -86,6 +86,7 @@ async def test_pull_awaited_on_another_threads_loop(pair: Pair) -> None:
     assert (blocks_of(dst.tensors[0])[7] == blocks_of(src.tensors[0])[0]).all()
 
 
+@pytest.mark.slow  # a big pull
 async def test_cancel_on_the_foreign_side_cancels_on_the_owner(slow_pair: Pair) -> None:
     pair = slow_pair
     big_cache(pair.prompt, model_id=0, fill=True)

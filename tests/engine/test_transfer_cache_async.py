@@ -483,6 +483,7 @@ BAD_CASES = [
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
+@pytest.mark.slow  # a matrix of cases, each with its own linked pair
 async def test_bad_arguments_raise_before_anything_starts(pair: Pair, case: str) -> None:
     src, dst = _setup(pair)
     desc = CacheDesc(2 * LAYERS, [2, 1024], DataType.DT_FLOAT16, Placement.HOST)

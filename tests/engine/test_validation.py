@@ -227,6 +227,7 @@ ALL = TYPE_CASES + VALUE_CASES + LOOKUP_CASES
 
 
 @pytest.mark.parametrize(("call", "exc", "status"), [c[1:] for c in ALL], ids=[c[0] for c in ALL])
+@pytest.mark.slow  # 79 cases, each with its own linked pair
 async def test_rejected_before_anything_moves(
     ctx: Ctx, call: Callable[[Ctx], Any], exc: type[BaseException], status: LLMStatusCode | None
 ) -> None:

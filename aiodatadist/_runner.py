@@ -1,0 +1,108 @@
+"""The one path every transfer over a link takes, in one function (:func:`run`).
+
+The facade has checked the arguments and fixed the call's deadline in a request
+(:mod:`aiodatadist._plan`); from there a ``pull_blocks``, a ``pull_cache`` and each
+layer of ``transfer_cache_async`` read the same page:
+
+1. plan against the peer's table; a key the peer registered a moment ago is fetched
+   with one round trip on the link before ``LLM_KV_CACHE_NOT_EXIST`` is raised;
+2. the link's FIFO slot, under the deadline (upstream: one transfer per link at a time);
+3. re-plan if the peer's table changed while the call queued;
+4. hold both caches (a free waits for, or refuses, a cache in use);
+5. the data path's pull or push on the instance's executor, under the deadline;
+6. a one-sided path that found the peer's lease stale (the peer re-registered or
+   freed the cache before a byte moved): one refresh and one retry.
+
+Timeout and cancel: the path aborts the native job and waits for it to return
+(:class:`~aiodatadist._executor.TransferExecutor`), so the slot and the holds are let
+go only once no byte moves any more; then ``LLMTimeoutError`` or ``CancelledError``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from . import _native
+from ._leases import LeaseStale
+from ._plan import CopyRequest, PushRequest, Request, copy_plan, plan
+from .errors import LLMException, LLMStatusCode
+
+if TYPE_CHECKING:
+    from ._runtime import Runtime
+    from .links import Link
+
+__all__ = ["copy", "run"]
+
+
+async def run(rt: Runtime, link: Link, request: Request) -> None:
+    """Moves the bytes ``request`` names over ``link``; returns once they all landed.
+
+    Raises:
+        LLMCacheNotFoundError: the peer has no such cache (after one refresh), or one
+            of the caches was freed meanwhile.
+        LLMParamError: the request does not fit the peer's cache.
+        LLMTimeoutError: the deadline passed (waiting for the slot included); the job
+            was aborted and has returned, the link stays usable.
+        LLMLinkError: the link was closed while the call waited for it.
+        asyncio.CancelledError: cancelled; raised once the native job has returned.
+    """
+    deadline, local = request.deadline, request.local
+    version = link.path.remote_table.version
+    try:
+        remote, moves = plan(request, link.path.remote_table)
+    except LLMException as e:
+        if e.status_code != LLMStatusCode.LLM_KV_CACHE_NOT_EXIST:
+            raise
+        if not await link.path.refresh(deadline):
+            raise
+        version = link.path.remote_table.version
+        remote, moves = plan(request, link.path.remote_table)
+    async with link.exclusive(deadline):
+        if link.path.remote_table.version != version:  # the peer re-registered meanwhile
+            remote, moves = plan(request, link.path.remote_table)
+        local.hold()
+        try:
+            for retry in (False, True):
+                held = remote
+                held.hold()
+                try:
+                    call = rt.call(deadline)
+                    if isinstance(request, PushRequest):
+                        await link.path.push(moves, local, held, call)
+                    else:
+                        await link.path.pull(moves, held, local, call)
+                    link.transfers += 1
+                    return
+                except LeaseStale:
+                    # Stale again after the refresh: LLM_KV_CACHE_NOT_EXIST (this exception).
+                    if retry:
+                        raise
+                    await link.path.refresh(deadline)
+                    remote, moves = plan(request, link.path.remote_table)
+                finally:
+                    held.release()
+        finally:
+            local.release()
+
+
+async def copy(rt: Runtime, request: CopyRequest) -> None:
+    """``copy_blocks``: a local copy within one cache, on the executor, under the deadline.
+
+    No link, so no slot: the cache's hold alone keeps a free from unmapping it.
+
+    Raises:
+        LLMCacheNotFoundError: the cache was freed meanwhile.
+        LLMTimeoutError: the deadline passed (the copy was aborted and has returned).
+        asyncio.CancelledError: cancelled, once the copy has returned.
+    """
+    moves = copy_plan(request)
+    entry = request.entry
+    entry.hold()
+    try:
+        addrs = entry.addrs
+        threads = rt.options.mover_threads
+        await rt.call(request.deadline).run(
+            lambda ctl: _native.copy_local(moves, addrs, addrs, ctl, threads)
+        )
+    finally:
+        entry.release()

@@ -1,0 +1,105 @@
+"""``Runtime``: what the parts of one initialized instance share.
+
+``LLMDataDist.init`` builds one and hands it to the cache manager, the control
+plane and the data paths, instead of the whole instance: its loop, parsed
+options, executors, link and cache registries, and the table-change hook.
+``finalize`` retires it; every part checks :meth:`Runtime.require_ready`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ._executor import TransferExecutor
+from ._registration import CacheRegistry
+from .config import Options
+from .errors import current_api
+from .links import LinkRegistry
+from .transports.base import Call
+from .types import LLMRole
+
+__all__ = ["Runtime"]
+
+
+class Runtime:
+    """One initialized instance's shared state.
+
+    Attributes:
+        cluster_id: this instance's cluster id.
+        role: its role (PROMPT, DECODER or MIX).
+        options: the options of ``init``.
+        loop: the event loop that ran ``init`` (the instance's home loop).
+        executor: runs this instance's own transfers.
+        serve_executor: runs peers' tcp requests (apart, so peers never starve ours).
+        links: the link registry.
+        caches: the local cache registry.
+    """
+
+    def __init__(
+        self, cluster_id: int, role: LLMRole, options: Options, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.cluster_id = cluster_id
+        self.role = role
+        self.options = options
+        self.loop = loop
+        self.executor = TransferExecutor(options.executor_threads, name=str(cluster_id))
+        self.serve_executor = TransferExecutor(options.serve_threads, name=f"{cluster_id}-serve")
+        self._callbacks: TransferExecutor | None = None
+        self.links = LinkRegistry(cluster_id)
+        self.caches = CacheRegistry(cluster_id, on_change=self.table_changed)
+        self.ready = True
+
+    def require_ready(self) -> None:
+        """Raises upstream's ``RuntimeError`` once the instance was finalized."""
+        if not self.ready:
+            raise RuntimeError("llm datadist is not initialized")
+
+    def callbacks(self) -> TransferExecutor:
+        """The thread that runs plain (blocking) ``synchronize_layer`` callbacks."""
+        self.require_ready()
+        if self._callbacks is None:
+            self._callbacks = TransferExecutor(1, name=f"{self.cluster_id}-sync")
+        return self._callbacks
+
+    def table_changed(self) -> None:
+        """A registration changed: every link tells its peer (cross-process links)."""
+        for link in self.links:
+            link.path.table_changed()
+
+    def deadline(self, timeout: float | None) -> float:
+        """The loop time a call given ``timeout`` seconds (None: ``sync_kv_timeout``) ends."""
+        if timeout is None:
+            timeout = self.options.sync_kv_timeout_ms / 1000
+        return asyncio.get_running_loop().time() + timeout
+
+    def call(self, deadline: float | None) -> Call:
+        """One public call's budget on this instance's executor.
+
+        No readiness check: a transfer that got its link's slot while ``finalize``
+        runs still completes (finalize waits for it) rather than failing half-way.
+        """
+        return Call(
+            api=current_api(),
+            deadline=deadline,
+            executor=self.executor,
+            mover_threads=self.options.mover_threads,
+        )
+
+    def shutdown_executors(self, timeout: float = 0) -> None:
+        """Stops every executor (a failed init, or what finalize could not wait for)."""
+        self.ready = False
+        for ex in (self.executor, self.serve_executor, self._callbacks):
+            if ex is not None:
+                ex.shutdown(timeout)
+        self._callbacks = None
+
+    async def aclose(self, deadline: float) -> bool:
+        """Finalize: waits (until ``deadline``) for the executors' jobs; True when all returned."""
+        self.ready = False
+        loop = asyncio.get_running_loop()
+        idle = await self.executor.aclose(max(0.0, deadline - loop.time()))
+        served = await self.serve_executor.aclose(max(0.0, deadline - loop.time()))
+        if self._callbacks is not None:
+            self._callbacks.shutdown(0)
+            self._callbacks = None
+        return idle and served
