@@ -1,5 +1,9 @@
 """Shared fixtures. Every async test runs twice: on the default asyncio loop and on uvloop.
 
+The quick loop (``pytest -m "not slow"``) runs each async test once, on asyncio: the
+uvloop runs are marked ``slow`` here, with the long tests the modules mark themselves
+(multi-process, large transfers, soak, fuzz). The full run (CI) runs everything.
+
 Nothing here may hang a run:
 
 * pytest-timeout (``timeout`` in pyproject.toml, the one setting) fails a test that
@@ -46,6 +50,13 @@ def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
     return {"asyncio": asyncio.new_event_loop, "uvloop": _UvLoop}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("_asyncio_loop_factory") is _UvLoop:
+            item.add_marker(pytest.mark.slow)
 
 
 def _item_timeout(item: pytest.Item) -> float:

@@ -63,6 +63,7 @@ def _run(tmp_path: Path, source: str, bound: float, **env: str) -> tuple[int, st
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
 
+@pytest.mark.slow  # a child pytest run
 def test_a_leak_on_uvloop_fails_the_test_instead_of_hanging_the_run(tmp_path: Path) -> None:
     rc, out, _ = _run(tmp_path, LEAKY, 60)
     assert "2 passed" in out or "error" in out.lower(), out[-3000:]
@@ -71,6 +72,7 @@ def test_a_leak_on_uvloop_fails_the_test_instead_of_hanging_the_run(tmp_path: Pa
     assert rc != 0
 
 
+@pytest.mark.slow  # a child pytest run
 def test_the_watchdog_ends_a_run_no_signal_can_stop(tmp_path: Path) -> None:
     rc, out, elapsed = _run(tmp_path, STUCK, 60, AIODATADIST_WATCHDOG_GRACE_S="2")
     assert rc == 70, out[-3000:]

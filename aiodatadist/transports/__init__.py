@@ -1,5 +1,11 @@
-"""Data paths, one module each, behind the :class:`.base.Channel` interface."""
+"""Data paths, one module each, behind the :class:`.base.Path` interface.
 
-from .base import Call, Channel
+``inproc`` (same process), ``shm`` and ``cma`` (same host, one-sided), ``tcp``
+(``tcp.py`` requests, ``tcp_streams.py`` its data streams, ``tcp_serve.py`` its
+serving half); ``select.py`` picks among the cross-process ones per transfer;
+``peer.py`` is what they need from the control connection, ``host.py`` who the peer is.
+"""
 
-__all__ = ["Call", "Channel"]
+from .base import Call, Path
+
+__all__ = ["Call", "Path"]

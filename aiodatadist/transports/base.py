@@ -1,6 +1,6 @@
 """The interface every data path implements.
 
-A :class:`Channel` is the data path of one link. It moves the bytes of a
+A :class:`Path` is the data path of one link. It moves the bytes of a
 validated :class:`~aiodatadist._native.Plan` between a local cache and a
 peer's cache, and nothing else: validation, deadlines, per-link ordering and
 error mapping live above it. Blocking work goes through :meth:`Call.run`, which
@@ -19,8 +19,9 @@ from .. import _native
 if TYPE_CHECKING:
     from .._caches import CacheEntry, CacheTable
     from .._executor import TransferExecutor
+    from ..config import DataPath
 
-__all__ = ["Call", "Channel", "local_copy"]
+__all__ = ["Call", "Path", "local_copy"]
 
 
 @dataclass
@@ -44,14 +45,16 @@ class Call:
         return await self.executor.run(job, deadline=self.deadline, api=self.api, inline=inline)
 
 
-class Channel(abc.ABC):
+class Path(abc.ABC):
     """The data path of one link.
 
     Attributes:
-        name: the data path's name (``inproc``, ``shm``, ``cma``, ``tcp``).
+        kinds: the :class:`~aiodatadist.config.DataPath` values this path can move
+            bytes over, in the order it prefers them (one, except for the cross-process
+            selector, which picks per transfer).
     """
 
-    name: str = "?"
+    kinds: tuple[DataPath, ...] = ()
 
     @property
     @abc.abstractmethod
@@ -77,8 +80,11 @@ class Channel(abc.ABC):
         """Brings :attr:`remote_table` up to date; False when it always is."""
         return False
 
+    def table_changed(self) -> None:  # noqa: B027 - optional hook
+        """Our cache table changed: a path to another process tells the peer."""
+
     async def close(self) -> None:  # noqa: B027 - optional hook
-        """Releases what the channel holds (connections, mappings)."""
+        """Releases what the path holds (connections, mappings)."""
 
 
 def local_copy(

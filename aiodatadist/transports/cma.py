@@ -15,41 +15,48 @@ from typing import TYPE_CHECKING
 
 from .. import _native
 from .._leases import leased
-from ..errors import LLMException, LLMStatusCode, format_error
-from .base import Call
+from ..config import DataPath
+from ..errors import LLMStatusCode, failure
+from .base import Call, Path
 
 if TYPE_CHECKING:
-    from .._caches import CacheEntry
-    from .._leases import FdChannel
+    from .._caches import CacheEntry, CacheTable
+    from .._fdchannel import FdChannel
 
 __all__ = ["CmaPath"]
 
 
-class CmaPath:
-    """Copies to and from the peer process by pid."""
+class CmaPath(Path):
+    """Copies to and from the peer process by pid.
 
-    name = "cma"
+    Args:
+        pid: the peer's process id (probed once: ``allowed``, or refused with ``errno``).
+        table: the peer's cache table, as the link mirrors it.
+    """
 
-    def __init__(self, pid: int) -> None:
+    kinds = (DataPath.CMA,)
+
+    def __init__(self, pid: int, table: CacheTable) -> None:
         self.pid = pid
+        self._table = table
         self.allowed, self.errno = _native.cma_probe(pid)
         self.fds: FdChannel | None = None
+
+    @property
+    def remote_table(self) -> CacheTable:
+        return self._table
 
     async def _leased(
         self, call: Call, remote: CacheEntry, job: Callable[[_native.Control], None]
     ) -> Callable[[_native.Control], None]:
         if self.fds is None or self.fds.closed or remote.lease is None:
-            raise LLMException(
-                format_error(
-                    call.api,
-                    LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                    f"no lease for remote cache {remote.cache_id}: cma is not used without one",
-                ),
-                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            raise failure(
+                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                f"no lease for remote cache {remote.cache_id}: cma is not used without one",
             )
-        page = await self.fds.peer_page(call.deadline, call.api)
+        page = await self.fds.peer_page(call.deadline)
         slot, gen = remote.lease
-        return leased(page, slot, gen, call.api, remote.cache_id, job)
+        return leased(page, slot, gen, None, remote.cache_id, job)
 
     async def pull(
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call

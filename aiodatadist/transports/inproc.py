@@ -6,18 +6,19 @@ import functools
 from typing import TYPE_CHECKING
 
 from .. import _native
-from .base import Call, Channel, local_copy
+from ..config import DataPath
+from .base import Call, Path, local_copy
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry, CacheTable
 
-__all__ = ["InprocChannel"]
+__all__ = ["InprocPath"]
 
 
-class InprocChannel(Channel):
+class InprocPath(Path):
     """Reads and writes the peer's caches directly; the peer's table is always current."""
 
-    name = "inproc"
+    kinds = (DataPath.INPROC,)
 
     def __init__(self, peer_table: CacheTable) -> None:
         self._table = peer_table

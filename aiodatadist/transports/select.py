@@ -1,4 +1,4 @@
-"""The channel of a cross-process link: picks ``shm``, ``cma`` or ``tcp`` per transfer.
+"""The path of a cross-process link: picks ``shm``, ``cma`` or ``tcp`` per transfer.
 
 Automatic choice (fastest that applies): on the same host, ``shm`` when the
 peer's cache lives in shared memory, else ``cma`` when the kernel allows it,
@@ -18,34 +18,37 @@ import logging
 from typing import TYPE_CHECKING
 
 from .. import _native
-from .._leases import HELLO_TIMEOUT, FdChannel, LeaseBook, connect_channel
-from ..errors import LLMException, LLMStatusCode, format_error
-from .base import Call, Channel
+from .._fdchannel import HELLO_TIMEOUT, FdChannel, connect_channel
+from .._leases import LeaseBook
+from ..config import DataPath
+from ..errors import LLMStatusCode, failure
+from .base import Call, Path
 from .cma import CmaPath
 from .shm import ShmPath
 from .tcp import TcpPath
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry, CacheTable
-    from .._control import Peer
+    from .tcp import TcpLink
 
-__all__ = ["RemoteChannel"]
+__all__ = ["RemotePath"]
 
-log = logging.getLogger("aiodatadist.transports.remote")
+log = logging.getLogger("aiodatadist.transports.select")
 
 
-class RemoteChannel(Channel):
+class RemotePath(Path):
     """Data paths to one peer process, with its mirrored cache table."""
 
-    def __init__(self, peer: Peer, forced: str) -> None:
+    def __init__(self, peer: TcpLink, forced: DataPath) -> None:
         self.peer = peer
         self.forced = forced
-        peer_paths = set(peer.info.data_paths)
-        self.shm = ShmPath(peer.info.pid) if peer.same_host and "shm" in peer_paths else None
-        cma = CmaPath(peer.info.pid) if peer.same_host and "cma" in peer_paths else None
+        offered = set(peer.info.data_paths)
+        same_host, pid, table = peer.same_host, peer.info.pid, peer.table
+        self.shm = ShmPath(pid, table) if same_host and DataPath.SHM in offered else None
+        cma = CmaPath(pid, table) if same_host and DataPath.CMA in offered else None
         self.cma = cma if cma is not None and cma.allowed else None
         self.cma_refused_errno = cma.errno if cma is not None and not cma.allowed else 0
-        self.tcp = TcpPath(peer) if "tcp" in peer_paths else None
+        self.tcp = TcpPath(peer) if DataPath.TCP in offered else None
         # The link's fd channel: attached at link time (client) or once the peer has
         # connected and proved the link token (server). ``fds_settled`` is set when it
         # is attached or will not be; transfers wait for it, bounded.
@@ -110,7 +113,7 @@ class RemoteChannel(Channel):
     def _unmap_all(self) -> None:
         self._unmap_pending = False
         if self.shm is not None:
-            self.shm.close()
+            self.shm.unmap()
         if self.fds is not None:
             self.fds.release_page()
 
@@ -131,28 +134,36 @@ class RemoteChannel(Channel):
         return self.fds is not None and not self.fds.closed and remote.lease is not None
 
     @property
-    def name(self) -> str:  # type: ignore[override]
-        if self.forced in ("shm", "cma", "tcp"):
-            return self.forced
-        if self.shm is not None or self.cma is not None:
-            return "shm" if self.cma is None else ("shm+cma" if self.shm is not None else "cma")
-        return "tcp"
+    def kinds(self) -> tuple[DataPath, ...]:  # type: ignore[override]
+        if self.forced in DataPath.remote():
+            return (self.forced,)
+        usable = {DataPath.SHM: self.shm, DataPath.CMA: self.cma, DataPath.TCP: self.tcp}
+        found = tuple(k for k, p in usable.items() if p is not None)
+        return found or (DataPath.TCP,)
+
+    def table_changed(self) -> None:
+        self.peer.table_changed()
 
     @property
     def remote_table(self) -> CacheTable:
         return self.peer.table
 
-    def path_for(self, api: str, remote: CacheEntry) -> ShmPath | CmaPath | TcpPath:
+    def path_for(self, remote: CacheEntry) -> Path:
+        """The path a transfer on ``remote`` takes now (see the module's docstring).
+
+        Raises:
+            LLMException: LLM_FEATURE_NOT_ENABLED, no path applies (says why).
+        """
         forced = self.forced
         leased = self._leased(remote)
         shm = self.shm if self.shm is not None and ShmPath.applies(remote) and leased else None
         cma = self.cma if leased else None
-        candidates: list[ShmPath | CmaPath | TcpPath | None]
-        if forced == "shm":
+        candidates: list[Path | None]
+        if forced == DataPath.SHM:
             candidates = [shm]
-        elif forced == "cma":
+        elif forced == DataPath.CMA:
             candidates = [cma]
-        elif forced == "tcp":
+        elif forced == DataPath.TCP:
             candidates = [self.tcp]
         else:
             candidates = [shm, cma, self.tcp]
@@ -160,23 +171,21 @@ class RemoteChannel(Channel):
             if c is not None:
                 return c
         why = f"no usable data path to cluster {self.peer.info.cluster_id}"
-        if forced != "auto":
+        one_sided = (DataPath.SHM, DataPath.CMA)
+        if forced != DataPath.AUTO:
             why += f" (forced '{forced}'"
-            if forced == "cma" and self.cma_refused_errno:
+            if forced == DataPath.CMA and self.cma_refused_errno:
                 why += f"; process_vm_readv refused: errno {self.cma_refused_errno}"
-            if not self.peer.same_host and forced in ("shm", "cma"):
+            if not self.peer.same_host and forced in one_sided:
                 why += "; the peer is on another host"
-            elif forced in ("shm", "cma") and not leased:
+            elif forced in one_sided and not leased:
                 why += (
                     "; no lease for the remote cache: the link's fd channel is not up"
                     if remote.lease is not None
                     else "; the remote cache has no lease"
                 )
             why += ")"
-        raise LLMException(
-            format_error(api, LLMStatusCode.LLM_FEATURE_NOT_ENABLED, why),
-            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-        )
+        raise failure(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, why)
 
     def _unmap_freed(self) -> None:
         # Segments of caches the peer freed stay mapped (and their memory alive) until
@@ -195,7 +204,7 @@ class RemoteChannel(Channel):
         try:
             await self._settle(call.deadline)
             self._unmap_freed()
-            await self.path_for(call.api, remote).pull(plan, remote, local, call)
+            await self.path_for(remote).pull(plan, remote, local, call)
         finally:
             self._done()
 
@@ -206,7 +215,7 @@ class RemoteChannel(Channel):
         try:
             await self._settle(call.deadline)
             self._unmap_freed()
-            await self.path_for(call.api, remote).push(plan, local, remote, call)
+            await self.path_for(remote).push(plan, local, remote, call)
         finally:
             self._done()
 
@@ -216,7 +225,7 @@ class RemoteChannel(Channel):
 
     async def close(self) -> None:
         if self.shm is not None:
-            self.shm.close()
+            self.shm.unmap()
         self.fds_settled.set()
         if self.fds is not None:
             self.fds.release_page()  # (in the link's slot: no copy runs under it)

@@ -15,22 +15,29 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _native
 from .._leases import leased
-from ..errors import LLMException, LLMStatusCode, format_error, from_native
-from .base import Call
+from ..config import DataPath
+from ..errors import LLMStatusCode, failure, from_native
+from .base import Call, Path
 
 if TYPE_CHECKING:
-    from .._caches import CacheEntry
-    from .._leases import FdChannel
+    from .._caches import CacheEntry, CacheTable
+    from .._fdchannel import FdChannel
 
 __all__ = ["ShmPath"]
 
 
-class ShmPath:
-    """The mappings of one link's peer segments, and copies through them."""
+class ShmPath(Path):
+    """The mappings of one link's peer segments, and copies through them.
 
-    name = "shm"
+    Args:
+        pid: the peer's process id (its segments' names carry it).
+        table: the peer's cache table, as the link mirrors it.
+    """
 
-    def __init__(self, pid: int) -> None:
+    kinds = (DataPath.SHM,)
+
+    def __init__(self, pid: int, table: CacheTable) -> None:
+        self._table = table
         # Segments are labelled after the process that made them (``/aiodd-<pid>-...``):
         # a label that is not the peer's is refused (a confused or lying peer).
         self._prefix = f"/aiodd-{pid}-"
@@ -42,90 +49,72 @@ class ShmPath:
         self._busy = 0
         self._close_pending = False
 
+    @property
+    def remote_table(self) -> CacheTable:
+        return self._table
+
     @staticmethod
     def applies(remote: CacheEntry) -> bool:
         return remote.shm_name is not None and remote.shm_size > 0
 
-    def _channel(self, api: str) -> FdChannel:
+    def _channel(self) -> FdChannel:
         if self.fds is None or self.fds.closed:
-            raise LLMException(
-                format_error(
-                    api,
-                    LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                    "the link has no fd channel: shared memory cannot be mapped",
-                ),
-                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            raise failure(
+                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                "the link has no fd channel: shared memory cannot be mapped",
             )
         return self.fds
 
     async def _segment(self, call: Call, remote: CacheEntry, writable: bool) -> _native.ShmSegment:
-        api = call.api
         name = remote.shm_name
         if name is None:
-            raise LLMException(
-                format_error(
-                    api,
-                    LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                    f"remote cache {remote.cache_id} is not in shared memory",
-                ),
-                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            raise failure(
+                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                f"remote cache {remote.cache_id} is not in shared memory",
             )
         if not name.startswith(self._prefix):
-            raise LLMException(
-                format_error(
-                    api,
-                    LLMStatusCode.LLM_PARAM_INVALID,
-                    f"remote cache {remote.cache_id} names segment {name!r}, "
-                    "which is not the peer's",
-                ),
-                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            raise failure(
+                LLMStatusCode.LLM_PARAM_INVALID,
+                f"remote cache {remote.cache_id} names segment {name!r}, which is not the peer's",
             )
         key = (name, writable)
         seg = self._maps.get(key)
         if seg is None or seg.closed:
-            fd, size = await self._channel(api).segment_fd(name, call.deadline, api)
+            fd, size = await self._channel().segment_fd(name, call.deadline)
             if size < remote.shm_size:
-                raise LLMException(
-                    format_error(
-                        api,
-                        LLMStatusCode.LLM_PARAM_INVALID,
-                        f"the peer's segment {name!r} holds {size} bytes, its table says "
-                        f"{remote.shm_size}",
-                    ),
-                    status_code=LLMStatusCode.LLM_PARAM_INVALID,
+                raise failure(
+                    LLMStatusCode.LLM_PARAM_INVALID,
+                    f"the peer's segment {name!r} holds {size} bytes, its table says "
+                    f"{remote.shm_size}",
                 )
             try:
                 seg = _native.ShmSegment.from_fd(fd, remote.shm_size, writable, name)
             except _native.NativeError as e:
-                raise from_native(e, api) from e
+                raise from_native(e) from e
             self._maps[key] = seg
         if seg.size < remote.shm_size:
             # Another table entry naming this segment was mapped with a smaller size: the
             # offsets checked against this entry's shm_size would reach past our mapping
             # (a crash, or a copy into whatever else this process has mapped there).
-            raise LLMException(
-                format_error(
-                    api,
-                    LLMStatusCode.LLM_PARAM_INVALID,
-                    f"remote cache {remote.cache_id} claims {remote.shm_size} bytes of segment "
-                    f"{name!r}, which the peer gave as {seg.size} bytes",
-                ),
-                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            raise failure(
+                LLMStatusCode.LLM_PARAM_INVALID,
+                f"remote cache {remote.cache_id} claims {remote.shm_size} bytes of segment "
+                f"{name!r}, which the peer gave as {seg.size} bytes",
             )
         return seg
 
     async def _job(
         self, call: Call, remote: CacheEntry, writable: bool, plan: _native.Plan, local: CacheEntry
     ) -> Any:
-        fds = self._channel(call.api)
-        page = await fds.peer_page(call.deadline, call.api)
+        fds = self._channel()
+        page = await fds.peer_page(call.deadline)
         seg = await self._segment(call, remote, writable)
         addrs = [seg.addr + off for off in remote.shm_offsets]
         src, dst = (local.addrs, addrs) if writable else (addrs, local.addrs)
-        assert remote.lease is not None  # RemoteChannel.path_for checks it
+        assert remote.lease is not None  # RemotePath.path_for checks it
         slot, gen = remote.lease
         copy = functools.partial(_copy, seg, plan, src, dst, call.mover_threads)
-        return leased(page, slot, gen, call.api, remote.cache_id, copy)
+        return leased(page, slot, gen, None, remote.cache_id, copy)
 
     async def pull(
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
@@ -147,7 +136,7 @@ class ShmPath:
         finally:
             self._busy -= 1
             if self._close_pending and not self._busy:
-                self.close()
+                self.unmap()
 
     def forget(self, live_names: set[str], busy: bool) -> None:
         """Unmaps segments the peer no longer lists (not while transfers run)."""
@@ -157,7 +146,10 @@ class ShmPath:
             with contextlib.suppress(Exception):
                 self._maps.pop(key).close()
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        self.unmap()
+
+    def unmap(self) -> None:
         """Unmaps every segment; while copies run, once the last one has returned."""
         if self._busy:
             self._close_pending = True

@@ -18,18 +18,25 @@ import asyncio
 import contextlib
 import math
 import socket
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import _native, _wire
+from .._executor import quiesce
 from .._leases import LeaseStale
-from ..errors import LLMException, LLMStatusCode, format_error, to_status_code
-from .base import Call
+from ..config import DataPath
+from ..errors import LLMException, LLMStatusCode, failure, to_status_code
+from .base import Call, Path
+from .peer import ControlLink
 
 if TYPE_CHECKING:
-    from .._caches import CacheEntry
-    from .._control import Peer
+    from .._caches import CacheEntry, CacheTable
+    from .tcp_streams import TcpStreams
 
-__all__ = ["TcpPath"]
+__all__ = ["TcpLink", "TcpPath", "deadline_ms"]
+
+Mover = Callable[[list[int], _native.Control, int], Any]
+"""The requester's native job: ``mover(fds, control, req)``."""
 
 
 # A deadline further away than this (~31 years) is treated as none: loop timers (uvloop's
@@ -60,7 +67,7 @@ def deadline_ms(deadline: float | None, now: float) -> int:
     return max(1, int(left))
 
 
-def _peer_failure(api: str, reply: dict[str, Any]) -> LLMException:
+def _peer_failure(reply: dict[str, Any]) -> LLMException:
     """The peer's DONE failure as an LLMException (a status it made up: LLM_FAILED).
 
     A refusal the peer marks ``stale`` (the cache is gone, or was re-bound since our
@@ -70,18 +77,39 @@ def _peer_failure(api: str, reply: dict[str, Any]) -> LLMException:
     code = to_status_code(int(reply["status"]))
     if code == LLMStatusCode.LLM_SUCCESS:
         code = LLMStatusCode.LLM_FAILED
-    if code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST and reply.get("stale") is True:
-        return LeaseStale(format_error(api, code, f"peer: {reply['info']}"), status_code=code)
-    return LLMException(format_error(api, code, f"peer: {reply['info']}"), status_code=code)
+    stale = code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST and reply.get("stale") is True
+    return failure(code, f"peer: {reply['info']}", kind=LeaseStale if stale else None)
 
 
-class TcpPath:
-    """Requests and data streams over one peer connection."""
+class TcpLink(ControlLink, Protocol):
+    """A control connection with its tcp data streams (``_control.Peer``)."""
 
-    name = "tcp"
+    streams: TcpStreams
 
-    def __init__(self, peer: Peer) -> None:
-        self.peer = peer
+
+class TcpPath(Path):
+    """The requesting half of ``tcp`` over one link (its serving half:
+    :class:`~aiodatadist.transports.tcp_serve.TcpServing`)."""
+
+    kinds = (DataPath.TCP,)
+
+    def __init__(self, link: TcpLink) -> None:
+        self.link = link
+        self.streams = link.streams
+
+    @property
+    def remote_table(self) -> CacheTable:
+        return self.link.table
+
+    async def refresh(self, deadline: float | None) -> bool:
+        await self.link.refresh(deadline)
+        return True
+
+    def table_changed(self) -> None:
+        self.link.table_changed()
+
+    async def close(self) -> None:
+        await self.link.unlink()
 
     async def pull(
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
@@ -109,6 +137,24 @@ class TcpPath:
             lambda fds, c, req: _native.sock_send(fds, plan, src, c, tag=req),
         )
 
+    async def _connect(
+        self, direction: int, deadline: float | None
+    ) -> tuple[list[socket.socket], int]:
+        """The streams of ``direction`` and their epoch (connected now if needed)."""
+        try:
+            return await self.streams.ensure(direction, deadline)
+        except TimeoutError:
+            raise failure(
+                LLMStatusCode.LLM_TIMEOUT, "deadline passed while connecting data streams"
+            ) from None
+        except OSError as e:
+            # The peer stopped listening (it is going away, or was killed): an engine
+            # error like any other broken link, not a bare socket error.
+            raise failure(
+                LLMStatusCode.LLM_LINK_FAILED,
+                f"cannot connect data streams to cluster {self.link.info.cluster_id}: {e}",
+            ) from e
+
     async def _transfer(
         self,
         msg_type: _wire.MsgType,
@@ -116,7 +162,7 @@ class TcpPath:
         remote: CacheEntry,
         call: Call,
         extra: dict[str, Any],
-        mover: Any,
+        mover: Mover,
     ) -> None:
         """Sends the request, runs ``mover(fds, control, req)`` on the link's streams of our
         direction, and waits for the peer's DONE.
@@ -127,47 +173,25 @@ class TcpPath:
             LLMException: the peer's failure (its status), the mover's (e.g. a stream
                 carrying another transfer's bytes), or a closed link (LLM_LINK_FAILED,
                 also when the data streams cannot be connected).
+            LeaseStale: the peer refused: the cache is gone or was re-bound (nothing moved).
             asyncio.CancelledError: the caller was cancelled; raised once the job has returned.
 
         Whenever it does not end with a clean DONE, the streams it used are retired (never
         reused) and a CANCEL goes to the peer in the background.
         """
-        from .._control import quiesce
-
-        peer = self.peer
+        link, streams = self.link, self.streams
         loop = asyncio.get_running_loop()
         # Timers cannot take every float: inf, nan and far-off deadlines mean "none" here
         # (the wire's deadline_ms is clamped to its schema, and the server caps it anyway).
         deadline = _usable_deadline(call.deadline, loop.time())
-        direction = peer.my_direction
+        direction = streams.my_direction
         clean = False
         held: list[socket.socket] = []
         req = 0
         done: asyncio.Future[dict[str, Any]] | None = None
-        epoch = peer.epoch[direction]
+        epoch = streams.epoch[direction]
         try:
-            try:
-                socks, epoch = await peer.ensure_streams(direction, deadline)
-            except TimeoutError:
-                raise LLMException(
-                    format_error(
-                        call.api,
-                        LLMStatusCode.LLM_TIMEOUT,
-                        "deadline passed while connecting data streams",
-                    ),
-                    status_code=LLMStatusCode.LLM_TIMEOUT,
-                ) from None
-            except OSError as e:
-                # The peer stopped listening (it is going away, or was killed): an engine
-                # error like any other broken link, not a bare socket error.
-                raise LLMException(
-                    format_error(
-                        call.api,
-                        LLMStatusCode.LLM_LINK_FAILED,
-                        f"cannot connect data streams to cluster {peer.info.cluster_id}: {e}",
-                    ),
-                    status_code=LLMStatusCode.LLM_LINK_FAILED,
-                ) from e
+            socks, epoch = await self._connect(direction, deadline)
             body = {
                 "cache_id": remote.cache_id,
                 "deadline_ms": deadline_ms(call.deadline, loop.time()),
@@ -179,73 +203,27 @@ class TcpPath:
                 body["gen"] = remote.lease[1]  # served only for this registration and binding
             # Held open until the mover has returned (the job is quiesced before `finally`):
             # a close meanwhile (link dropped, streams replaced) must not free the fd numbers.
-            fds = peer.hold_streams(socks)
+            fds = streams.hold(socks)
             held = socks
             try:
                 # A peer that stopped reading must not hold us past the deadline in drain().
                 async with asyncio.timeout_at(deadline):
-                    req, done = await peer.request(
+                    req, done = await link.request(
                         msg_type, body, _wire.segments_to_bytes(plan.segments())
                     )
             except TimeoutError:
-                raise LLMException(
-                    format_error(
-                        call.api,
-                        LLMStatusCode.LLM_TIMEOUT,
-                        "deadline passed while sending the request (the peer is not reading)",
-                    ),
-                    status_code=LLMStatusCode.LLM_TIMEOUT,
+                raise failure(
+                    LLMStatusCode.LLM_TIMEOUT,
+                    "deadline passed while sending the request (the peer is not reading)",
                 ) from None
-            ctl = _native.Control()
-            tag = req
-            job = loop.create_task(
-                call.executor.run(
-                    lambda c: mover(fds, c, tag), deadline=deadline, api=call.api, control=ctl
-                )
-            )
-            try:
-                first, _ = await asyncio.wait({job, done}, return_when=asyncio.FIRST_COMPLETED)
-                if done in first and not job.done():
-                    reply = done.result()
-                    if int(reply["status"]) != 0:
-                        ctl.abort()  # the peer will not send (or take) the bytes
-                await quiesce(job)
-                job.result()  # raises the mover's error (timeout, peer closed, stale, ...)
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        reply = await done
-                except TimeoutError:
-                    raise LLMException(
-                        format_error(
-                            call.api,
-                            LLMStatusCode.LLM_TIMEOUT,
-                            "deadline passed waiting for the peer's completion",
-                        ),
-                        status_code=LLMStatusCode.LLM_TIMEOUT,
-                    ) from None
-                if int(reply["status"]) != 0:
-                    raise _peer_failure(call.api, reply)
-                clean = True
-            except BaseException as exc:
-                ctl.abort()
-                await quiesce(job)
-                refusal = None
-                if done.done() and not done.cancelled():
-                    if done.exception() is None and int(done.result()["status"]) != 0:
-                        refusal = done.result()
-                else:
-                    done.cancel()
-                # A reply that says why beats our local symptom (e.g. the peer's refusal
-                # made us abort the mover, which alone would read as a timeout).
-                if refusal is not None and isinstance(exc, LLMException):
-                    raise _peer_failure(call.api, refusal) from exc
-                raise
+            await self._await(call, deadline, mover, fds, req, done)
+            clean = True
         finally:
-            peer.release_streams(held)
+            streams.release(held)
             if done is not None:
                 # Whatever ended the transfer, nobody awaits its DONE any more: a reply (or
                 # the link's closing failure) arriving later must not be left unretrieved.
-                peer.forget_request(req)
+                link.forget_request(req)
                 if not done.done():
                     done.cancel()
                 elif not done.cancelled():
@@ -255,6 +233,55 @@ class TcpPath:
                 # request and retires them too (CANCEL, sent in the background).
                 with contextlib.suppress(Exception):
                     # Just the ones it used: the client may have connected a newer set.
-                    peer._drop_streams(direction, only=held or None)
+                    streams.drop(direction, only=held or None)
                 with contextlib.suppress(Exception):
-                    peer.cancel_soon(req, epoch)
+                    link.cancel_soon(req, epoch)
+
+    async def _await(
+        self,
+        call: Call,
+        deadline: float | None,
+        mover: Mover,
+        fds: list[int],
+        req: int,
+        done: asyncio.Future[dict[str, Any]],
+    ) -> None:
+        """Runs the mover of request ``req`` and waits for its DONE; returns only once the
+        mover has returned, whatever happens."""
+        ctl = _native.Control()
+        job = asyncio.get_running_loop().create_task(
+            call.executor.run(lambda c: mover(fds, c, req), deadline=deadline, control=ctl)
+        )
+        try:
+            first, _ = await asyncio.wait({job, done}, return_when=asyncio.FIRST_COMPLETED)
+            if done in first and not job.done():
+                reply = done.result()
+                if int(reply["status"]) != 0:
+                    ctl.abort()  # the peer will not send (or take) the bytes
+            await quiesce(job)
+            job.result()  # raises the mover's error (timeout, peer closed, stale, ...)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    reply = await done
+            except TimeoutError:
+                raise failure(
+                    LLMStatusCode.LLM_TIMEOUT, "deadline passed waiting for the peer's completion"
+                ) from None
+            if int(reply["status"]) != 0:
+                raise _peer_failure(reply)
+        except BaseException as exc:
+            ctl.abort()
+            await quiesce(job)
+            if not job.cancelled():
+                job.exception()  # retrieved: what propagates is decided below
+            refusal = None
+            if done.done() and not done.cancelled():
+                if done.exception() is None and int(done.result()["status"]) != 0:
+                    refusal = done.result()
+            else:
+                done.cancel()
+            # A reply that says why beats our local symptom (e.g. the peer's refusal
+            # made us abort the mover, which alone would read as a timeout).
+            if refusal is not None and isinstance(exc, LLMException):
+                raise _peer_failure(refusal) from exc
+            raise

@@ -55,7 +55,6 @@ def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
     )
 
 
-@pytest.mark.timeout(60)
 def test_simple_pull() -> None:
     result = run_example("examples/simple_pull.py", timeout=45)
     assert_ok(result)
@@ -64,9 +63,9 @@ def test_simple_pull() -> None:
 
 
 @needs_aiohttp
-@pytest.mark.timeout(90)
+@pytest.mark.slow  # two HTTP servers in processes
 def test_pd_server_run() -> None:
-    result = run_example("examples/pd_server/run.py", timeout=75)
+    result = run_example("examples/pd_server/run.py", timeout=50)
     assert_ok(result)
     lines = result.stdout.splitlines()
     expected = [
@@ -88,10 +87,10 @@ def test_pd_server_run() -> None:
     assert "Traceback" not in result.stderr, result.stderr
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.slow  # a child pytest run
 def test_pytest_suite() -> None:
     result = run_example(
-        "-m", "pytest", "examples/pytest_suite", "-q", "-p", "no:cacheprovider", timeout=135
+        "-m", "pytest", "examples/pytest_suite", "-q", "-p", "no:cacheprovider", timeout=50
     )
     assert_ok(result)
     assert " passed" in result.stdout

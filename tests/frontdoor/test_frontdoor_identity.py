@@ -17,11 +17,31 @@ from typing import Any
 
 import pytest
 
-from aiodatadist import LLMDataDist, LLMRole, _wire
+from aiodatadist import LLMDataDist, LLMRole, _control, _wire
 from aiodatadist._control import host_identity
 
 CLIENT_ID = 77
 WARNING = "claims pid"
+
+
+@pytest.fixture(autouse=True)
+def _spy_on_adopt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A link the control plane adopts for a watched instance (its Peer is made, so the
+    identity check has run) is recorded and wakes the test's event."""
+    adopt = _control._adopt
+
+    async def spy(rt: Any, peer: Any, server: Any) -> None:
+        for want, peers, adopted in _WATCHED:
+            if rt is want:
+                peers.append(peer)
+                adopted.set()
+        await adopt(rt, peer, server)
+
+    monkeypatch.setattr(_control, "_adopt", spy)
+    _WATCHED.clear()
+
+
+_WATCHED: list[tuple[Any, list[Any], asyncio.Event]] = []
 
 
 async def _prompt() -> tuple[LLMDataDist, asyncio.Event, list[Any]]:
@@ -30,14 +50,7 @@ async def _prompt() -> tuple[LLMDataDist, asyncio.Event, list[Any]]:
     await dd.init({"llm.listenIpInfo": "127.0.0.1:0"})
     adopted = asyncio.Event()
     peers: list[Any] = []
-    adopt = dd._adopt_peer
-
-    async def spy(peer: Any) -> None:  # the server made its Peer: the check has run
-        peers.append(peer)
-        adopted.set()
-        await adopt(peer)
-
-    dd._adopt_peer = spy  # type: ignore[method-assign]
+    _WATCHED.append((dd._rt, peers, adopted))
     return dd, adopted, peers
 
 

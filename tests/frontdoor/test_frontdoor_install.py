@@ -120,6 +120,7 @@ def test_import_with_a_core_that_does_not_load_quotes_the_loader(tmp_path: Path)
     assert "circular import" not in proc.stderr
 
 
+@pytest.mark.slow  # a child pytest run
 def test_pytest_plugin_off_does_not_break_unrelated_tests(tmp_path: Path) -> None:
     """pytest started in a source tree without its core: unrelated tests run; the plugin's
     fixtures fail with the reason; the old entry point (the package itself) ended the run."""
@@ -174,6 +175,7 @@ def installed_venv(tmp_path: Path) -> Path:
     return python
 
 
+@pytest.mark.slow  # child interpreters
 def test_children_import_their_parents_installation(
     tmp_path: Path, installed_venv: Path
 ) -> None:
@@ -210,6 +212,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.slow  # child processes
 def test_doctor_clean_removes_only_segments_of_dead_processes() -> None:
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")

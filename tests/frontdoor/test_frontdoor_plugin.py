@@ -101,6 +101,7 @@ async def test_datadist_pair_factory_makes_independent_pairs(datadist_pair_facto
 
 @pytest.mark.asyncio
 @pytest.mark.datadist(data_path="tcp", spec=SPEC)
+@pytest.mark.slow  # a peer process and waits out a timeout
 async def test_pause_times_out_then_works_after_resume(
     datadist_remote_pair: RemotePair, datadist_faults: FaultInjector
 ) -> None:
@@ -118,6 +119,7 @@ async def test_pause_times_out_then_works_after_resume(
 
 @pytest.mark.asyncio
 @pytest.mark.datadist(data_path="tcp", spec=SPEC)
+@pytest.mark.slow  # a peer process and waits out a delay
 async def test_delay_lifts_by_itself(datadist_remote_pair: RemotePair) -> None:
     pair = datadist_remote_pair
     assert pair.faults is not None
@@ -133,6 +135,7 @@ async def test_delay_lifts_by_itself(datadist_remote_pair: RemotePair) -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.datadist(data_path="tcp", spec=SPEC)
+@pytest.mark.slow  # a peer process
 async def test_drop_fails_a_pull_in_flight_fast(datadist_remote_pair: RemotePair) -> None:
     pair = datadist_remote_pair
     assert pair.faults is not None
@@ -163,6 +166,7 @@ async def test_drop_fails_a_pull_in_flight_fast(datadist_remote_pair: RemotePair
 @pytest.mark.parametrize("datadist_remote_pair",
                          [{"data_path": "tcp"}, {"data_path": "cma", "faults": False}],
                          indirect=True)  # fmt: skip
+@pytest.mark.slow  # peer processes, killed
 async def test_kill_peer_raises_within_the_deadline(datadist_remote_pair: RemotePair) -> None:
     pair = datadist_remote_pair
     await _pull_remote(pair, [3], [3])
@@ -192,6 +196,7 @@ async def test_fault_injector_without_pytest_fixtures() -> None:
 # --------------------------------------------------------------------------- registration
 
 
+@pytest.mark.slow  # a child pytest run
 def test_plugin_registered_by_entry_point(pytester: pytest.Pytester) -> None:
     """A user's test file, with no conftest and no pytest_plugins, gets the fixtures."""
     pytester.makeini(

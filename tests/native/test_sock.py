@@ -223,7 +223,7 @@ def test_abort_during_blocked_recv_returns_promptly() -> None:
             timer.cancel()
             timer.join()
         elapsed = time.monotonic() - start
-    assert 0.15 < elapsed < PROMPT, elapsed
+    assert 0.1 <= elapsed < PROMPT, elapsed  # it blocked: half the 0.2 s at least
     assert ctl.bytes_done == 0
     assert np.array_equal(dst, before)
 
@@ -245,7 +245,7 @@ def test_abort_during_blocked_send_returns_promptly() -> None:
             timer.cancel()
             timer.join()
         elapsed = time.monotonic() - start
-    assert 0.15 < elapsed < PROMPT, elapsed
+    assert 0.1 <= elapsed < PROMPT, elapsed  # it blocked: half the 0.2 s at least
     assert 0 < ctl.bytes_done < size
 
 

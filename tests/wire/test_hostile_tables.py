@@ -52,14 +52,14 @@ async def main():
         await cm.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0], timeout=5)
         assert (arrays[0][0].view(np.uint8) == 0x5A).all()
         link = p.decoder._registry.find(1)
-        real = [e.describe() for e in link.channel.remote_table]
+        real = [e.describe() for e in link.path.remote_table]
         forged = dict(real[0])
         big = 1 << 40
         forged.update(
             cache_id=forged["cache_id"] + 1000, model_id=9, shm_size=big,
             shm_offsets=[big - 4 * 1024],
         )
-        link.channel.peer._apply_table(real + [forged])
+        link.path.peer._apply_table(real + [forged])
         before = arrays[0].copy()
         try:
             await cm.pull_blocks(BlocksCacheKey(1, 9), dst, [0], [0], timeout=5)
@@ -82,6 +82,7 @@ else:
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.slow  # a child process per event loop
 def test_a_table_cannot_stretch_a_mapped_segment(loop: str) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", _ATTACK, loop], capture_output=True, text=True, timeout=60
@@ -159,7 +160,7 @@ import asyncio, os, resource, socket, sys
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
 from aiodatadist import _native
-from aiodatadist._leases import HELD_FDS_CAP, FdChannel
+from aiodatadist._fdchannel import HELD_FDS_CAP, FdChannel
 
 async def main():
     assert HELD_FDS_CAP == 128, HELD_FDS_CAP

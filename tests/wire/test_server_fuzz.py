@@ -15,6 +15,8 @@ from aiodatadist import BlocksCacheKey, LLMDataDist, LLMRole, LLMStatusCode
 from aiodatadist import _wire as w
 from aiodatadist.testing import cluster_info, make_blocks_cache
 
+pytestmark = pytest.mark.slow  # fuzz: hundreds of handshakes against a real server
+
 HELLO = {
     "version": w.PROTOCOL_VERSION,
     "cluster_id": 99,

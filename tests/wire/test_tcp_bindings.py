@@ -167,7 +167,7 @@ async def test_streams_that_cannot_be_reconnected_fail_as_an_engine_error() -> N
         server = pair.prompt._server
         assert server is not None and server._server is not None
         server._server.close()  # no new connections: new data streams are refused
-        link.channel.peer._drop_streams(0)  # (what a failed transfer does)
+        link.path.peer.streams.drop(0)  # (what a failed transfer does)
         with pytest.raises(LLMException) as info:
             await cm.pull_blocks(BlocksCacheKey(P, 0), dst, [1], [1], timeout=5)
         assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED

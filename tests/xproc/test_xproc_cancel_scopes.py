@@ -20,6 +20,8 @@ import pytest
 
 from aiodatadist.testing import PromptSpec, RemotePair, remote_pair
 
+pytestmark = pytest.mark.slow  # peer processes on every data path: the full run's
+
 PATHS = ["shm", "cma", "tcp"]
 KINDS = ["asyncio.timeout", "task.cancel", "move_on_after", "fail_after", "task_group"]
 END_BOUND_S = 2.0  # generous: the cancel was honoured, not a speed claim

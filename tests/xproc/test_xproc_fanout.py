@@ -11,6 +11,8 @@ from xproc_harness import Harness, assert_same, decoder_options, link, pull_and_
 from aiodatadist import BlocksCacheKey, LLMStatusCode
 from aiodatadist.testing import cluster_info
 
+pytestmark = pytest.mark.slow  # peer processes on every data path: the full run's
+
 S = LLMStatusCode
 
 

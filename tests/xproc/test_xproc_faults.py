@@ -29,6 +29,8 @@ from aiodatadist import (
 )
 from aiodatadist.testing import cluster_info
 
+pytestmark = pytest.mark.slow  # peer processes on every data path: the full run's
+
 PROMPT, DECODER = 31, 32
 SEED = 13
 BIG_MIB = 256
@@ -129,7 +131,7 @@ async def test_unlink_while_pulls_are_queued(path: str) -> None:
         release = asyncio.Event()
 
         async def hold() -> None:
-            async with lk.exclusive(None, "test"):
+            async with lk.exclusive(None):
                 await release.wait()
 
         if path == "tcp":

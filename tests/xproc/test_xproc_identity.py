@@ -24,6 +24,7 @@ from aiodatadist import (
     _wire,
 )
 from aiodatadist._control import host_identity
+from aiodatadist.config import DataPath
 from aiodatadist.testing import cluster_info, make_blocks_cache
 
 FAKE = 51
@@ -100,9 +101,9 @@ async def test_a_peer_claiming_another_pid_gets_tcp_only() -> None:
         dd, server, stop = await _link_fake(victim.pid, None, "auto")
         try:
             link = dd.links[0]
-            assert link.channel.cma is None and link.channel.shm is None
-            remote = link.channel.remote_table.blocks(0)
-            assert link.channel.path_for("pull_blocks", remote).name == "tcp"
+            assert link.path.cma is None and link.path.shm is None
+            remote = link.path.remote_table.blocks(0)
+            assert link.path.path_for(remote).kinds == (DataPath.TCP,)
         finally:
             await _close(dd, server, stop)
     finally:
@@ -125,7 +126,7 @@ async def test_a_segment_that_is_not_the_peers_is_refused() -> None:
     try:
         dd, server, stop = await _link_fake(os.getpid(), other.name, "shm")
         try:
-            assert dd.links[0].channel.shm is not None  # same host, pid verified
+            assert dd.links[0].path.shm is not None  # same host, pid verified
             dst = make_blocks_cache(dd, num_tensors=1, num_blocks=4, block_shape=(4096,),
                                     data_type=DataType.DT_UINT8)  # fmt: skip
             with pytest.raises(LLMException) as info:

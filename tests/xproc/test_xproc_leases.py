@@ -51,6 +51,8 @@ from aiodatadist import (
     _native,
 )
 
+pytestmark = pytest.mark.slow  # peer processes on every data path: the full run's
+
 PROMPT, DECODER = 61, 62
 SEED = 5
 FREED = 0xEE
@@ -97,7 +99,7 @@ async def test_pulls_never_see_a_dead_registration(path: str) -> None:
         await dd.cache_manager.pull_blocks(key, dst.cache, blocks, blocks, timeout=5)
         lk = dd._registry.find(PROMPT)
         assert lk is not None
-        assert lk.channel.path_for("t", lk.channel.remote_table.blocks(MODEL)).name == path
+        assert lk.path.path_for(lk.path.remote_table.blocks(MODEL)).kinds[0] == path
 
         cycle = asyncio.create_task(
             prompt.call(
@@ -164,10 +166,10 @@ async def test_unregister_waits_for_a_running_pull(path: str) -> None:
             if rnd % 2 == 0:
                 # The free comes while the copy runs under the lease (it must wait for it).
                 lk = dd._registry.find(PROMPT)
-                assert lk is not None and lk.channel.fds is not None
-                remote = lk.channel.remote_table.blocks(MODEL)
+                assert lk is not None and lk.path.fds is not None
+                remote = lk.path.remote_table.blocks(MODEL)
                 assert remote is not None and remote.lease is not None
-                page = lk.channel.fds.page
+                page = lk.path.fds.page
                 assert page is not None
                 addr = page.addr(remote.lease[0])
                 await asyncio.wait_for(
@@ -421,7 +423,7 @@ async def test_a_stalled_reader_holds_off_unregister(ending: str) -> None:
                 cm.unregister_cache(big.cache_id)
             waited = time.monotonic() - t0
             assert info.value.status_code == LLMStatusCode.LLM_LINK_BUSY
-            assert 0.35 <= waited < 5, waited
+            assert 0.2 <= waited < 5, waited  # it waited (half the 400 ms at least)
             # Nothing changed: still registered, same lease, still current on the page.
             assert cm.table.blocks(xc.MODEL_BIG) is entry and entry.lease == (slot, gen)
             assert _native.lease_gen(addr) == gen and not entry.freed

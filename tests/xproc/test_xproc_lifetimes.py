@@ -30,8 +30,9 @@ from xproc_harness import (
 )
 
 from aiodatadist import BlocksCacheKey, LLMException, LLMRole, LLMStatusCode, _native
-from aiodatadist._caches import CacheEntry
-from aiodatadist._leases import FdChannel, LeasePage
+from aiodatadist._caches import CacheEntry, CacheTable
+from aiodatadist._fdchannel import FdChannel
+from aiodatadist._leases import LeasePage
 from aiodatadist.transports.base import Call
 from aiodatadist.transports.shm import ShmPath
 
@@ -66,7 +67,7 @@ async def test_link_closed_under_a_pull_keeps_its_streams_until_the_mover_return
         await link(dd, prompt, PROMPT)
         lk = dd._registry.find(PROMPT)
         assert lk is not None
-        peer = lk.channel.peer  # type: ignore[attr-defined]
+        peer = lk.path.peer  # type: ignore[attr-defined]
         big = local["big"]
         nblocks = big.spec.shape[0]
         stamps: dict[str, float] = {}
@@ -87,7 +88,7 @@ async def test_link_closed_under_a_pull_keeps_its_streams_until_the_mover_return
         try:
             await asyncio.to_thread(watcher.join, 6)
             assert "stopped" in stamps, "no byte of the pull ever landed"
-            socks = [s for s in peer.streams[peer.my_direction] if s is not None]
+            socks = [s for s in peer.streams.sockets[peer.streams.my_direction] if s is not None]
             fds = [s.fileno() for s in socks]
             inodes = [os.fstat(fd).st_ino for fd in fds]
             assert dd._executor.in_flight == 1 and not pull.done()
@@ -108,7 +109,7 @@ async def test_link_closed_under_a_pull_keeps_its_streams_until_the_mover_return
             assert loop.time() - started < 3.0
             # Once it returned, nothing is left open.
             assert all(s.fileno() == -1 for s in socks)
-            assert peer._streams_in_use == {} and peer._streams_retired == set()
+            assert peer.streams._in_use == {} and peer.streams._retired == set()
         finally:
             prompt.kill(signal.SIGCONT)
 
@@ -141,7 +142,7 @@ async def test_replaced_stream_is_not_closed_under_the_serving_job() -> None:
             loop = asyncio.get_running_loop()
             await until(lambda: entry.busy > 0, what="the serving job to start")
             await asyncio.sleep(0.2)  # blocked: the raw client reads nothing
-            sock = peer.streams[0][0]  # the client-initiated direction
+            sock = peer.streams.sockets[0][0]  # the client-initiated direction
             assert sock is not None
             fd, ino = sock.fileno(), os.fstat(sock.fileno()).st_ino
             started = loop.time()
@@ -158,7 +159,7 @@ async def test_replaced_stream_is_not_closed_under_the_serving_job() -> None:
             assert done["status"] not in (S.LLM_SUCCESS, S.LLM_TIMEOUT), done
             assert loop.time() - started < 3.0
             assert entry.busy == 0 and sock.fileno() == -1
-            assert peer._streams_in_use == {} and peer._streams_retired == set()
+            assert peer.streams._in_use == {} and peer.streams._retired == set()
 
 
 class _GatedExecutor:
@@ -222,14 +223,14 @@ async def test_shm_close_waits_for_the_copy_that_uses_the_mapping() -> None:
             remote.geometry, local.geometry, [0, 1, 2, 3], [0, 1, 2, 3], 0, 0, 1
         )
         executor = _GatedExecutor()
-        path = ShmPath(os.getpid())
+        path = ShmPath(os.getpid(), CacheTable())
         path.fds = ours
         call = Call("pull_blocks", None, executor)  # type: ignore[arg-type]
         pull = asyncio.ensure_future(path.pull(plan, remote, local, call))
         await asyncio.wait_for(executor.started.wait(), 5)
         mapped = list(path._maps.values())
         assert len(mapped) == 1
-        path.close()  # the link goes away under the queued copy
+        path.unmap()  # the link goes away under the queued copy
         path.forget(set(), busy=False)
         assert not mapped[0].closed, "unmapped under a copy that still uses it"
         executor.gate.set()

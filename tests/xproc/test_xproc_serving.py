@@ -29,6 +29,8 @@ from xproc_harness import (
 from aiodatadist import LLMDataDist, LLMRole, LLMStatusCode, _wire
 from aiodatadist.testing import cluster_info
 
+pytestmark = pytest.mark.slow  # peer processes on every data path: the full run's
+
 PROMPT, DECODER, RAW = 21, 22, 23
 SEED = 9
 UNIT = xc.SPECS["reg"].unit

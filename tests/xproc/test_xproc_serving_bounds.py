@@ -24,9 +24,12 @@ from xproc_harness import (
 )
 
 from aiodatadist import LLMRole, LLMStatusCode, _native, _wire
+from aiodatadist.config import DataPath
 from aiodatadist.testing import cluster_info
 from aiodatadist.transports.base import Call
 from aiodatadist.transports.tcp import deadline_ms
+
+pytestmark = pytest.mark.slow  # peer processes on every data path: the full run's
 
 PROMPT, DECODER, RAW = 71, 72, 73
 SEED = 23
@@ -117,10 +120,10 @@ async def test_tcp_pull_with_an_unbounded_deadline(far: float | None) -> None:
         assert status == S.LLM_SUCCESS
         lk = dd._registry.find(PROMPT)
         assert lk is not None
-        remote = lk.channel.remote_table.blocks(xc.MODEL_REG)
+        remote = lk.path.remote_table.blocks(xc.MODEL_REG)
         assert remote is not None
-        path = lk.channel.path_for("pull_blocks", remote)
-        assert path.name == "tcp"
+        path = lk.path.path_for(remote)
+        assert path.kinds == (DataPath.TCP,)
         dst = local["reg"]
         mine = dd.cache_manager.table.by_id(dst.cache.cache_id)
         assert mine is not None
@@ -128,7 +131,7 @@ async def test_tcp_pull_with_an_unbounded_deadline(far: float | None) -> None:
         geo = _native.Geometry(spec.num_tensors, spec.shape[0], spec.unit)
         plan = _native.Plan.blocks(geo, geo, [2, 5], [6, 1], 0, 0, spec.num_tensors)
         before = dst.matrix()
-        call = Call("pull_blocks", far, dd._executor_or_raise())
+        call = Call("pull_blocks", far, dd._rt.executor)
         await asyncio.wait_for(path.pull(plan, remote, mine, call), 10)
         want = xc.expect_blocks(
             before, xc.reference(SEED, "reg"), spec.unit, [2, 5], [6, 1],

@@ -28,8 +28,11 @@ from xproc_harness import (
 )
 
 from aiodatadist import BlocksCacheKey, LLMException, LLMRole, LLMStatusCode, _native, _wire
+from aiodatadist.config import DataPath
 from aiodatadist.testing import cluster_info
 from aiodatadist.transports.base import Call
+
+pytestmark = pytest.mark.slow  # peer processes on every data path: the full run's
 
 PROMPT, DECODER, RAW = 61, 62, 63
 SEED = 17
@@ -200,24 +203,24 @@ async def test_server_started_transfers_recover_after_a_failure() -> None:
         await until(lambda: server._registry.find(DECODER) is not None, what="the link")
         lk = server._registry.find(DECODER)
         assert lk is not None
-        await lk.channel.refresh(None)
-        remote = lk.channel.remote_table.blocks(xc.MODEL_REG)
+        await lk.path.refresh(None)
+        remote = lk.path.remote_table.blocks(xc.MODEL_REG)
         assert remote is not None
-        path = lk.channel.path_for("pull_blocks", remote)
-        assert path.name == "tcp"
-        peer = path.peer
-        first_epoch = peer.epoch[1]
+        path = lk.path.path_for(remote)
+        assert path.kinds == (DataPath.TCP,)
+        streams = path.streams  # type: ignore[attr-defined]
+        first_epoch = streams.epoch[1]
         spec = xc.SPECS["reg"]
         geo = _native.Geometry(spec.num_tensors, spec.shape[0], spec.unit)
         server_reg = server.cache_manager.table.blocks(xc.MODEL_REG)
         assert server_reg is not None
-        ex = server._executor_or_raise()
+        ex = server._rt.executor
         loop = asyncio.get_running_loop()
         plan = _native.Plan.blocks(geo, geo, [3], [5], 0, 0, spec.num_tensors)
         with pytest.raises(LLMException) as ei:  # a deadline already passed: not clean
             await path.pull(plan, remote, server_reg, Call("pull_blocks", loop.time(), ex))
         assert ei.value.status_code == S.LLM_TIMEOUT, ei.value
-        await until(lambda: peer.epoch[1] > first_epoch, what="a new epoch of streams")
+        await until(lambda: streams.epoch[1] > first_epoch, what="a new epoch of streams")
         plan = _native.Plan.blocks(geo, geo, [2, 6], [0, 1], 0, 0, spec.num_tensors)
         await asyncio.wait_for(
             path.pull(plan, remote, server_reg, Call("pull_blocks", loop.time() + 5, ex)), 10

@@ -1,0 +1,303 @@
+"""The tcp data streams of one link: two sets (one per direction), in epochs.
+
+The client opens ``2 * tcp_streams`` extra connections that start with
+DATA_HELLO {link_token, stream, epoch}; streams ``[0, n)`` carry the bytes of
+requests the client starts, ``[n, 2n)`` those the server starts, so the two
+directions never interleave bytes. A transfer that does not end cleanly leaves
+its streams in an unknown state: they are retired (never reused) and the client
+connects a new set with the next *epoch* (per direction). A retired epoch is
+dead: no request naming it is served again.
+
+A socket a native job uses is *held* (:meth:`TcpStreams.hold`): retiring it then
+shuts it down (the job's wait ends at once) and closes it only once the job has
+returned, so its fd number is never reused under the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from typing import TYPE_CHECKING
+
+from .. import _wire
+from ..errors import LLMException, LLMStatusCode, failure
+
+if TYPE_CHECKING:
+    from .peer import ControlLink
+
+__all__ = ["ACK", "STREAM_SLOTS", "TcpStreams"]
+
+log = logging.getLogger("aiodatadist.transports.tcp")
+
+ACK = b"\x01"
+"""The server's one-byte answer to an accepted DATA_HELLO."""
+STREAM_SLOTS = 8
+"""DATA_HELLO.stream = direction * STREAM_SLOTS + i: the layout does not depend on
+either side's ``tcp_streams``, so peers configured differently still agree on it."""
+CONNECT_TIMEOUT = 10.0
+"""How long a background reconnect of the peer-started streams may take."""
+
+
+class TcpStreams:
+    """The data-stream pool of one link (both directions, their epochs, the holds).
+
+    Direction 0 carries transfers the client starts, 1 those the server starts. The
+    client connects both sets; the server takes what comes.
+    """
+
+    def __init__(self, link: ControlLink, n_streams: int) -> None:
+        self._link = link
+        self.is_client = link.is_client
+        self.n_streams = max(1, min(STREAM_SLOTS, n_streams))
+        slots = self.n_streams if self.is_client else STREAM_SLOTS
+        self.sockets: list[list[socket.socket | None]] = [[None] * slots, [None] * slots]
+        self.ready = [asyncio.Event(), asyncio.Event()]
+        # Per direction: the epoch of the current set, and the newest retired one (every
+        # epoch up to it is dead). A socket's epoch is in _epoch_of.
+        self.epoch = [0, 0]
+        self._dead_epoch = [0, 0]
+        self._epoch_of: dict[socket.socket, int] = {}
+        # Set (and replaced) whenever a direction's streams change: wakes serve waits.
+        self._changed = [asyncio.Event(), asyncio.Event()]
+        self._connecting = [False, False]
+        self._reconnect: asyncio.Task[None] | None = None
+        # Sockets a native job is using (with a count), and those retired meanwhile:
+        # closing one under the job would free its fd number for reuse, and the job's
+        # bytes could then go to (or come from) whatever gets that number next.
+        self._in_use: dict[socket.socket, int] = {}
+        self._retired: set[socket.socket] = set()
+        self._loop = asyncio.get_running_loop()
+
+    @property
+    def my_direction(self) -> int:
+        """The direction carrying transfers this side starts."""
+        return 0 if self.is_client else 1
+
+    # ------------------------------------------------------------ epochs
+
+    def is_dead(self, direction: int, epoch: int) -> bool:
+        """Whether streams of ``epoch`` were retired (or replaced by a newer set)."""
+        return epoch <= self._dead_epoch[direction] or epoch < self.epoch[direction]
+
+    def of_epoch(self, direction: int, epoch: int, n: int) -> list[socket.socket] | None:
+        """The first ``n`` streams of ``direction`` if all are in place and of ``epoch``."""
+        socks = self.sockets[direction][:n]
+        if len(socks) == n and all(s is not None and self._epoch_of.get(s) == epoch for s in socks):
+            return [s for s in socks if s is not None]
+        return None
+
+    async def changed(self, direction: int) -> None:
+        """Returns at the next change of ``direction``'s streams."""
+        await self._changed[direction].wait()
+
+    def _notify(self, direction: int) -> None:
+        changed = self._changed[direction]
+        self._changed[direction] = asyncio.Event()
+        changed.set()
+
+    def drop(self, direction: int, only: list[socket.socket] | None = None) -> None:
+        """Retires the streams of ``direction`` (with ``only``: just those sockets, if they
+        are still in place: the client may already have replaced them). A retired
+        stream's epoch is dead: no request naming it is served again."""
+        dropped = False
+        for i, s in enumerate(self.sockets[direction]):
+            if s is None or (only is not None and s not in only):
+                continue
+            self.ready[direction].clear()
+            self._dead_epoch[direction] = max(self._dead_epoch[direction], self._epoch_of.pop(s, 0))
+            self._close(s)
+            self.sockets[direction][i] = None
+            dropped = True
+        if only is None:
+            self.ready[direction].clear()
+            self._dead_epoch[direction] = max(self._dead_epoch[direction], self.epoch[direction])
+        if dropped:
+            self._notify(direction)
+            if self.is_client and direction == 1 and not self._connecting[1]:
+                # The peer starts transfers on these and cannot connect new ones itself.
+                self.reconnect_soon()
+
+    def cancel_epoch(self, direction: int, epoch: int) -> None:
+        """The peer gave up its streams of ``epoch`` and older (CANCEL): retires them."""
+        old = [
+            s
+            for s in self.sockets[direction]
+            if s is not None and self._epoch_of.get(s, 0) <= epoch
+        ]
+        if old:
+            self.drop(direction, only=old)
+        self._dead_epoch[direction] = max(
+            self._dead_epoch[direction], min(epoch, self.epoch[direction])
+        )
+        if self.is_client and direction == 1 and not self.ready[1].is_set():
+            self.reconnect_soon()  # we own the streams: the peer cannot make new ones
+        self._notify(direction)
+
+    # ------------------------------------------------------------ holds
+
+    def _close(self, s: socket.socket) -> None:
+        """Closes a stream, or, while a native job uses it, shuts it down (which ends the
+        job's wait at once) and closes it when the job has returned."""
+        if s in self._in_use:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            self._retired.add(s)
+            return
+        with contextlib.suppress(OSError):
+            s.close()
+
+    def hold(self, socks: list[socket.socket]) -> list[int]:
+        """Keeps ``socks`` open (their fd numbers ours) until :meth:`release`, which must
+        come only after the native job given the returned fds has returned."""
+        for s in socks:
+            self._in_use[s] = self._in_use.get(s, 0) + 1
+        return [s.fileno() for s in socks]
+
+    def release(self, socks: list[socket.socket]) -> None:
+        for s in socks:
+            left = self._in_use.pop(s, 1) - 1
+            if left:
+                self._in_use[s] = left
+            elif s in self._retired:
+                self._retired.discard(s)
+                with contextlib.suppress(OSError):
+                    s.close()
+
+    # ------------------------------------------------------------ connecting
+
+    def attach(self, index: int, sock: socket.socket, epoch: int) -> bool:
+        """Puts a connected stream of ``epoch`` in its slot. A newer epoch retires the
+        direction's older streams; a stream of a dead or older epoch is refused."""
+        direction, i = divmod(index, STREAM_SLOTS)
+        if direction > 1 or i >= len(self.sockets[direction]):
+            return False
+        if self.is_dead(direction, epoch):
+            return False
+        if epoch > self.epoch[direction]:
+            self.drop(direction)  # the peer replaced the whole set
+            self.epoch[direction] = epoch
+        old = self.sockets[direction][i]
+        if old is not None:
+            self._epoch_of.pop(old, None)
+            self._close(old)
+        self.sockets[direction][i] = sock
+        self._epoch_of[sock] = epoch
+        # The client opened them all before it uses them; the server uses those that came.
+        need = self.sockets[direction] if self.is_client else self.sockets[direction][:1]
+        if all(s is not None for s in need):
+            self.ready[direction].set()
+        self._notify(direction)
+        return True
+
+    async def accept(self, index: int, epoch: int, sock: socket.socket) -> None:
+        """Server side: a DATA_HELLO's connection (``sock``, ours to close) joins the pool
+        and is acknowledged, or is closed when refused."""
+        sock.setblocking(False)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not self.attach(index, sock, epoch):
+                sock.close()
+                return
+            await self._loop.sock_sendall(sock, ACK)
+        except OSError:
+            sock.close()
+
+    async def connect(self, direction: int, deadline: float | None) -> None:
+        """Client side: opens a new set of streams of one direction (the next epoch); the
+        old set is retired first.
+
+        Raises:
+            TimeoutError: ``deadline`` passed.
+            OSError: the peer cannot be reached.
+            LLMException: LLM_LINK_FAILED, the peer refused a stream or the set was
+                replaced meanwhile.
+        """
+        link = self._link
+        assert self.is_client and link.endpoint is not None
+        self._connecting[direction] = True
+        try:
+            self.drop(direction)
+            self.epoch[direction] += 1
+            epoch = self.epoch[direction]
+            host, port = link.endpoint
+            base = direction * STREAM_SLOTS
+            async with asyncio.timeout_at(deadline):
+                for i in range(self.n_streams):
+                    await self._connect_one(host, port, base + i, epoch)
+        finally:
+            self._connecting[direction] = False
+
+    async def _connect_one(self, host: str, port: int, index: int, epoch: int) -> None:
+        loop = self._loop
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, stype, proto, _, addr = infos[0]
+        sock = socket.socket(family, stype, proto)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await loop.sock_connect(sock, addr)
+            frame = _wire.encode(
+                _wire.MsgType.DATA_HELLO,
+                {"link_token": self._link.link_token, "stream": index, "epoch": epoch},
+            )
+            await loop.sock_sendall(sock, frame)
+            if await loop.sock_recv(sock, 1) != ACK:
+                raise failure(LLMStatusCode.LLM_LINK_FAILED, "the peer refused a data stream")
+            if self._link.closed.is_set() or not self.attach(index, sock, epoch):
+                raise failure(
+                    LLMStatusCode.LLM_LINK_FAILED, "the data streams were replaced meanwhile"
+                )
+        except BaseException:
+            sock.close()
+            raise
+
+    async def ensure(
+        self, direction: int, deadline: float | None
+    ) -> tuple[list[socket.socket], int]:
+        """The leading run of connected streams of ``direction`` (connecting them if
+        needed) and their epoch; a job on them holds them with :meth:`hold`."""
+        if not self.ready[direction].is_set():
+            if self.is_client:
+                await self.connect(direction, deadline)
+            else:
+                async with asyncio.timeout_at(deadline):
+                    await self.ready[direction].wait()
+        epoch = self.epoch[direction]
+        socks = []
+        for s in self.sockets[direction]:  # the leading run of connected streams
+            if s is None or self._epoch_of.get(s) != epoch:
+                break
+            socks.append(s)
+        return socks, epoch
+
+    def reconnect_soon(self) -> None:
+        """Client side: connects a new set of the peer-started direction (1) in the
+        background (the peer is waiting for them and cannot connect them itself)."""
+        if self._link.closed.is_set() or self._connecting[1]:
+            return
+        if self._reconnect is not None and not self._reconnect.done():
+            return
+
+        async def reconnect() -> None:
+            try:
+                await self.connect(1, self._loop.time() + CONNECT_TIMEOUT)
+            except (OSError, TimeoutError, LLMException) as e:
+                # The peer's next request naming a dead epoch fails; a later failure or
+                # CANCEL tries again.
+                log.warning(
+                    "cannot reconnect data streams to cluster %d: %s",
+                    self._link.info.cluster_id,
+                    e,
+                )
+
+        self._reconnect = self._loop.create_task(reconnect(), name="aiodatadist-peer-streams")
+
+    def close(self) -> None:
+        """The link closed: every stream is retired (held ones once their job returned)."""
+        task = self._reconnect
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        for d in (0, 1):
+            self.drop(d)
