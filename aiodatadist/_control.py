@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from . import _wire
 from ._caches import CacheTable
 from ._fdchannel import FdChannel, FdListener
-from ._handshake import Agreed, client_handshake, offered_paths, server_handshake
+from ._handshake import Agreed, client_handshake, has_spoken, offered_paths, server_handshake
 from .config import DataPath
 from .errors import LLMException, LLMStatusCode, failure
 from .links import Link
@@ -410,8 +410,11 @@ class ControlServer:
         # Connections that have not sent their first message (HELLO or DATA_HELLO) yet,
         # oldest first: at most MAX_HANDSHAKES (anyone who reaches the port can open them,
         # no secret needed; idle ones must not use up our fds). Past the bound the oldest
-        # is closed. An honest peer sends its first message with the connection.
-        self._unwelcomed: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
+        # silent one is closed (see _evict). An honest peer sends its first message with
+        # the connection.
+        self._unwelcomed: dict[
+            asyncio.Task[Any], tuple[asyncio.StreamReader, asyncio.StreamWriter]
+        ] = {}
         # fd channels (aiodatadist._leases): the listener, made on the first same-host
         # handshake, and links welcomed but not yet adopted, by token.
         self._fd_listener: FdListener | None = None
@@ -437,12 +440,8 @@ class ControlServer:
         assert task is not None
         self._handshakes.add(task)
         while len(self._unwelcomed) >= MAX_HANDSHAKES:
-            # Closing the connection ends its read of the first message.
-            oldest = next(iter(self._unwelcomed))
-            log.debug("%d connections have said nothing: closing the oldest", MAX_HANDSHAKES)
-            with contextlib.suppress(Exception):
-                self._unwelcomed.pop(oldest).transport.abort()
-        self._unwelcomed[task] = writer
+            self._evict()
+        self._unwelcomed[task] = (reader, writer)
         try:
             await self._handshake(reader, writer)
         # RuntimeError: uvloop's answer to a write on a transport closed above.
@@ -452,6 +451,22 @@ class ControlServer:
         finally:
             self._unwelcomed.pop(task, None)
             self._handshakes.discard(task)
+
+    def _evict(self) -> None:
+        """Closes the oldest connection that has sent nothing (closing it ends its read of
+        the first message); the oldest of all when every one has sent something.
+
+        A flood of connections is accepted many per loop iteration, before any of their
+        handshakes has run: an honest peer whose first message is already here (in the
+        kernel's buffer or the reader's) but not yet read must not be taken for silent.
+        """
+        victim = next(
+            (t for t, (r, w) in self._unwelcomed.items() if not has_spoken(r, w)),
+            next(iter(self._unwelcomed)),
+        )
+        log.debug("%d connections have said nothing: closing the oldest", MAX_HANDSHAKES)
+        with contextlib.suppress(Exception):
+            self._unwelcomed.pop(victim)[1].transport.abort()
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         rt = self.rt

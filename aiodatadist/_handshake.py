@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import secrets
+import struct
+import termios
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,7 +37,7 @@ from .transports.peer import PeerInfo
 if TYPE_CHECKING:
     from ._runtime import Runtime
 
-__all__ = ["Agreed", "client_handshake", "offered_paths", "server_handshake"]
+__all__ = ["Agreed", "client_handshake", "has_spoken", "offered_paths", "server_handshake"]
 
 
 @dataclass
@@ -225,3 +228,15 @@ async def server_handshake(
     )
     info = PeerInfo(client_id, str(hello["host_id"]), int(hello["pid"]), int(hello["role"]), paths)
     return Agreed(info, token, table, fd_socket, welcomed_version)
+
+
+def has_spoken(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Whether bytes from the peer wait to be read on this connection."""
+    if getattr(reader, "_buffer", None):  # read from the socket, not parsed yet
+        return True
+    sock = writer.get_extra_info("socket")
+    try:
+        pending = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except (OSError, AttributeError, ValueError):
+        return False
+    return bool(struct.unpack("i", pending)[0])

@@ -32,6 +32,7 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
+from aiodatadist import _wire
 from aiodatadist._control import MAX_HANDSHAKES
 from aiodatadist.testing import cluster_info
 
@@ -150,6 +151,44 @@ async def test_idle_connections_to_the_port_are_bounded() -> None:
         for s in idle:
             s.close()
         await decoder.finalize()
+        await prompt.finalize()
+
+
+@pytest.mark.asyncio
+async def test_a_peer_that_spoke_is_not_evicted_by_a_flood_behind_it() -> None:
+    """A flood of silent connections lands right behind an honest client's HELLO, all
+    accepted before any handshake runs: past MAX_HANDSHAKES the server closes silent ones,
+    never the client whose first message is already here (it gets its CHALLENGE)."""
+    prompt = LLMDataDist(LLMRole.PROMPT, 943)
+    await prompt.init({"llm.listenIpInfo": "127.0.0.1:0"})
+    flood: list[socket.socket] = []
+    honest = socket.socket()
+    try:
+        host, port = prompt.listen_address or ("", 0)
+        # Blocking connects, no await in between: the kernel completes them all (its accept
+        # queue holds them) before the server's loop accepts the first.
+        honest.connect((host, port))
+        hello = {
+            "version": _wire.PROTOCOL_VERSION, "cluster_id": 944, "host_id": "elsewhere",
+            "pid": 1, "role": int(LLMRole.DECODER), "nonce": _wire.new_nonce(), "want_auth": False,
+        }  # fmt: skip
+        honest.sendall(_wire.encode(_wire.MsgType.HELLO, hello))
+        for _ in range(MAX_HANDSHAKES + 16):  # under asyncio's default backlog of 100
+            s = socket.socket()
+            s.connect((host, port))
+            flood.append(s)
+        honest.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=honest)
+        try:
+            msg = await _wire.read_message(reader, timeout=5)
+            assert msg.type == _wire.MsgType.CHALLENGE, msg
+            server = prompt._server
+            assert server is not None and len(server._unwelcomed) <= MAX_HANDSHAKES
+        finally:
+            writer.close()
+    finally:
+        for s in flood:
+            s.close()
         await prompt.finalize()
 
 
