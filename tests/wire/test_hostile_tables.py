@@ -31,8 +31,8 @@ from aiodatadist import (
     LLMRole,
     LLMStatusCode,
     Placement,
+    _wire,
 )
-from aiodatadist import _wire
 from aiodatadist._control import MAX_HANDSHAKES
 from aiodatadist.testing import cluster_info
 
