@@ -210,15 +210,6 @@ class CacheManager:
         self.table = rt.caches.table
         self.leases = rt.caches.leases
 
-    @property
-    def _entries(self) -> dict[int, CacheEntry]:
-        return self._caches.entries
-
-    @property
-    def _tasks(self) -> set[asyncio.Task[None]]:
-        """The running ``transfer_cache_async`` pipelines."""
-        return self._pipelines.tasks
-
     def _home_loop(self) -> asyncio.AbstractEventLoop | None:
         return self._rt.loop
 

@@ -22,13 +22,12 @@ from types import TracebackType
 
 from ._bridge import bridged, public
 from ._control import ControlServer, link_to
-from ._executor import TransferExecutor
 from ._runtime import Runtime
 from ._validate import check_int, check_type, check_uint
 from .cache_manager import CacheManager
 from .config import DataPath, Options, parse_options
 from .errors import LLMException, LLMStatusCode, api_scope, failure
-from .links import Link, LinkRegistry, _FifoSlot
+from .links import Link, _FifoSlot
 from .transports.inproc import InprocPath
 from .types import LLMClusterInfo, LLMRole
 
@@ -103,16 +102,6 @@ class LLMDataDist:
     def links(self) -> list[Link]:
         """The active links, one per remote cluster."""
         return [] if self._rt is None else list(self._rt.links)
-
-    @property
-    def _registry(self) -> LinkRegistry:
-        """Transition alias (tests): the runtime's link registry."""
-        return self._runtime().links
-
-    @property
-    def _executor(self) -> TransferExecutor:
-        """Transition alias (tests): the runtime's transfer executor."""
-        return self._runtime().executor
 
     def _home_loop(self) -> asyncio.AbstractEventLoop | None:
         return None if self._rt is None else self._rt.loop

@@ -101,15 +101,6 @@ class Link:
         """The data path this link prefers (the first of :attr:`data_paths`)."""
         return self.path.kinds[0]
 
-    @property
-    def channel(self) -> Path:
-        """Transition alias of :attr:`path` (removed at the end of the refactor)."""
-        return self.path
-
-    @channel.setter
-    def channel(self, value: Path) -> None:
-        self.path = value
-
     @asynccontextmanager
     async def exclusive(self, deadline: float | None) -> AsyncIterator[Link]:
         """Holds the link's FIFO slot; raises LLM_NOT_YET_LINK once it is closed.

@@ -36,7 +36,7 @@ def decoder_options(path: str, **extra: str) -> dict[str, str]:
 def path_in_use(dd: LLMDataDist, cluster_id: int, model_id: int) -> str:
     """The path a pull of ``model_id`` from ``cluster_id`` takes (internals: best effort)."""
     with contextlib.suppress(Exception):
-        path: Any = dd._registry.find(cluster_id).path  # type: ignore[union-attr]
+        path: Any = dd._rt.links.find(cluster_id).path  # type: ignore[union-attr]
         remote = path.remote_table.blocks(model_id)
         return str(path.path_for(remote).kinds[0])
     return "?"

@@ -137,13 +137,13 @@ async def wait_until(pred: Callable[[], bool], timeout: float = 10.0, what: str 
 
 def executor_of(dd: LLMDataDist) -> Any:
     """The instance's dedicated transfer executor."""
-    ex = dd._executor
+    ex = dd._rt.executor
     assert ex is not None
     return ex
 
 
 def link_of(dd: LLMDataDist, remote_cluster_id: int) -> Any:
-    link = dd._registry.find(remote_cluster_id)
+    link = dd._rt.links.find(remote_cluster_id)
     assert link is not None, f"cluster {dd.cluster_id} has no link to {remote_cluster_id}"
     return link
 
@@ -310,10 +310,10 @@ def instrument(
     (the decoder's pulls and the prompt's pushes) count as one link.
     """
     link = link_of(dd, remote_cluster_id)
-    inner = link.channel
+    inner = link.path
     if isinstance(inner, TracedChannel):
         return inner
     assert isinstance(inner, InprocPath), inner
     ch = TracedChannel(inner, tracker if tracker is not None else Tracker(), id(link.slot))
-    link.channel = ch
+    link.path = ch
     return ch

@@ -207,10 +207,10 @@ async def test_bad_ids_are_refused_and_change_nothing(pair: Pair, case: str) -> 
     src = _src(pair, seed)
     dst = _dst(pair, model_id=5)
     before = snapshot(dst)
-    decoder_link = pair.decoder._registry.find(P)
-    prompt_link = pair.prompt._registry.find(D)
+    decoder_link = pair.decoder._rt.links.find(P)
+    prompt_link = pair.prompt._rt.links.find(D)
     done = (decoder_link.transfers, prompt_link.transfers)
-    caches = (set(pair.decoder.cache_manager._entries), set(pair.prompt.cache_manager._entries))
+    caches = (set(pair.decoder._rt.caches.entries), set(pair.prompt._rt.caches.entries))
     call = dict(_bad_calls(pair, src, dst))[case]
 
     tracemalloc.start()
@@ -228,9 +228,9 @@ async def test_bad_ids_are_refused_and_change_nothing(pair: Pair, case: str) -> 
     else:
         _param_error(info)
     assert (decoder_link.transfers, prompt_link.transfers) == done
-    assert pair.prompt.cache_manager._tasks == set()
-    assert caches == (set(pair.decoder.cache_manager._entries),
-                      set(pair.prompt.cache_manager._entries))
+    assert pair.prompt.cache_manager._pipelines.tasks == set()
+    assert caches == (set(pair.decoder._rt.caches.entries),
+                      set(pair.prompt._rt.caches.entries))
     _unchanged(dst, before)
     # And the link is fine: a correct pull right after moves this test's own pattern.
     await pair.decoder.cache_manager.pull_blocks(BlocksCacheKey(P, 0), dst.cache,
@@ -246,10 +246,10 @@ async def test_bad_ids_are_refused_and_change_nothing(pair: Pair, case: str) -> 
 @pytest.mark.asyncio
 async def test_unregister_cache_bad_ids(pair: Pair, value: Any, exc: type[Exception]) -> None:
     dst = _dst(pair)
-    entries = set(pair.decoder.cache_manager._entries)
+    entries = set(pair.decoder._rt.caches.entries)
     with pytest.raises(exc):
         pair.decoder.cache_manager.unregister_cache(value)
-    assert set(pair.decoder.cache_manager._entries) == entries
+    assert set(pair.decoder._rt.caches.entries) == entries
     assert dst.cache.cache_id in entries
 
 

@@ -76,7 +76,7 @@ async def test_transfer_cache_async_refused_on_decoder() -> None:
             )
         _exact_llm_failed(info.value)
         assert "PROMPT or MIX" in str(info.value)
-        assert not pair.decoder.cache_manager._tasks
+        assert not pair.decoder.cache_manager._pipelines.tasks
 
 
 async def test_decoder_pulls_and_prompt_pushes() -> None:

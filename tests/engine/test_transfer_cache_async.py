@@ -399,7 +399,7 @@ async def test_an_unexpected_error_is_that_configs_failure(pair: Pair) -> None:
     src, dst = _setup(pair)
     link = link_of(pair.prompt, D)
     sent = 0
-    real_push = link.channel.push
+    real_push = link.path.push
 
     async def push(*args):
         nonlocal sent
@@ -408,7 +408,7 @@ async def test_an_unexpected_error_is_that_configs_failure(pair: Pair) -> None:
         sent += 1
         await real_push(*args)
 
-    link.channel.push = push
+    link.path.push = push
     cfg = TransferWithCacheKeyConfig(BlocksCacheKey(D, 5), range(0, LAYERS), range(0, LAYERS))
     task = await pair.prompt.cache_manager.transfer_cache_async(
         src.cache, Recording(lambda layer: None), [cfg], [0], [0]
@@ -494,7 +494,7 @@ async def test_bad_arguments_raise_before_anything_starts(pair: Pair, case: str)
         await pair.prompt.cache_manager.transfer_cache_async(*args)
     if exc is LLMParamError:
         assert info.value.status_code == S.LLM_PARAM_INVALID
-    assert not pair.prompt.cache_manager._tasks
+    assert not pair.prompt.cache_manager._pipelines.tasks
     assert sync.calls == []
     assert all(not t.view(np.uint8).any() for t in dst.tensors)
 

@@ -232,7 +232,7 @@ async def test_rejected_before_anything_moves(
     ctx: Ctx, call: Callable[[Ctx], Any], exc: type[BaseException], status: LLMStatusCode | None
 ) -> None:
     before = snapshot(ctx.dst)
-    link = ctx.pair.decoder._registry.find(P)
+    link = ctx.pair.decoder._rt.links.find(P)
     done = link.transfers
 
     with pytest.raises(exc) as info:

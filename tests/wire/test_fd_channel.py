@@ -230,10 +230,10 @@ async def test_a_same_host_link_gets_an_fd_channel_and_refuses_strangers() -> No
         )
         for t, v in enumerate(src.tensors()):
             assert np.array_equal(dst_arrays[t][::-1].view(np.uint8), v.view(np.uint8))
-        dlink = decoder._registry.find(901)
+        dlink = decoder._rt.links.find(901)
         assert dlink is not None
         assert dlink.path.fds is not None and dlink.path.fds.page is not None
-        plink = prompt._registry.find(902)
+        plink = prompt._rt.links.find(902)
         assert plink is not None
         await _until(lambda: plink.path.fds is not None)  # the server side attached it
         server = prompt._server
@@ -280,7 +280,7 @@ async def test_losing_an_index_binding_renews_the_lease() -> None:
         key = BlocksCacheKey(911, 3)
         await decoder.cache_manager.pull_blocks(key, dst, [0], [0], timeout=5)
         assert (dst_arrays[0][0].view(np.uint8) == 0x11).all()
-        link = decoder._registry.find(911)
+        link = decoder._rt.links.find(911)
         assert link is not None and link.path.fds is not None
         page = link.path.fds.page
         assert page is not None
@@ -405,7 +405,7 @@ async def test_an_owner_of_many_segments_keeps_its_fd_channel() -> None:
                 BlocksCacheKey(921, i), dst, [1], [0], timeout=5
             )
             assert (arrays[0][0].view(np.uint8) == i % 251 + 1).all()
-        link = decoder._registry.find(921)
+        link = decoder._rt.links.find(921)
         assert link is not None and link.path.fds is not None
         assert not link.path.fds.closed
         # And a burst of allocations on a live link goes through as well.
@@ -506,7 +506,7 @@ async def test_idle_connections_to_the_fd_socket_are_bounded() -> None:
         dst = second.cache_manager.register_blocks_cache(desc, arrays)
         await second.cache_manager.pull_blocks(BlocksCacheKey(931, 0), dst, [1], [1], timeout=5)
         assert (arrays[0][1].view(np.uint8) == 0x6D).all()
-        link = second._registry.find(931)
+        link = second._rt.links.find(931)
         assert link is not None and link.path.fds is not None
         assert not link.path.fds.closed
         assert len(listener.pending) <= MAX_PENDING

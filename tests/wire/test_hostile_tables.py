@@ -52,7 +52,7 @@ async def main():
         cm = p.decoder.cache_manager
         await cm.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0], timeout=5)
         assert (arrays[0][0].view(np.uint8) == 0x5A).all()
-        link = p.decoder._registry.find(1)
+        link = p.decoder._rt.links.find(1)
         real = [e.describe() for e in link.path.remote_table]
         forged = dict(real[0])
         big = 1 << 40

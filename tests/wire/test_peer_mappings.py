@@ -74,7 +74,7 @@ async def test_a_closed_peer_leaves_no_mapping_behind(path: str) -> None:
         prompt_up = False
         loop = asyncio.get_running_loop()
         end = loop.time() + 5
-        while decoder._registry.find(31) is not None:
+        while decoder._rt.links.find(31) is not None:
             assert loop.time() < end, "the decoder did not notice the closed link"
             await asyncio.sleep(0.01)
         left = _memfds(label)

@@ -162,7 +162,7 @@ async def test_streams_that_cannot_be_reconnected_fail_as_an_engine_error() -> N
         dst = _blocks(pair.decoder, "tcp", 0x77, model_id=None)
         cm = pair.decoder.cache_manager
         await cm.pull_blocks(BlocksCacheKey(P, 0), dst, [0], [0], timeout=5)
-        link = pair.decoder._registry.find(P)
+        link = pair.decoder._rt.links.find(P)
         assert link is not None
         server = pair.prompt._server
         assert server is not None and server._server is not None

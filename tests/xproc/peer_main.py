@@ -155,7 +155,7 @@ class Commands(PeerCommands):
         return {"ok": True, "busy": busy}
 
     async def cmd_truncate(self, c: dict[str, Any]) -> dict[str, Any]:
-        entry = self.dd.cache_manager._entries[self.caches[c["name"]].cache.cache_id]
+        entry = self.dd._rt.caches.entries[self.caches[c["name"]].cache.cache_id]
         assert entry.segment is not None
         try:
             os.ftruncate(entry.segment.fd, int(c.get("size", 0)))
@@ -183,7 +183,7 @@ class Commands(PeerCommands):
         }
 
     def _path(self, cluster_id: int, remote: Any) -> str:
-        link = self.dd._registry.find(cluster_id)
+        link = self.dd._rt.links.find(cluster_id)
         if link is None or remote is None:
             return "?"
         return str(link.path.path_for(remote).kinds[0])
@@ -201,7 +201,7 @@ class Commands(PeerCommands):
             tensor_num_per_layer=int(c.get("tpl", 2)),
             timeout=c.get("timeout"),
         )
-        link = self.dd._registry.find(cid)
+        link = self.dd._rt.links.find(cid)
         remote = None if link is None else link.path.remote_table.blocks(key.model_id)
         return {"ok": True, "path": self._path(cid, remote)}
 
@@ -217,7 +217,7 @@ class Commands(PeerCommands):
             tensor_num_per_layer=int(c.get("tpl", 2)),
             timeout=c.get("timeout"),
         )
-        link = self.dd._registry.find(cid)
+        link = self.dd._rt.links.find(cid)
         hit = None if link is None else link.path.remote_table.row((key.req_id, 0))
         return {"ok": True, "path": self._path(cid, None if hit is None else hit[0])}
 

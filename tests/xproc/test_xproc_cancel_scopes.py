@@ -40,9 +40,9 @@ async def _cancel_every_way(pair: RemotePair) -> None:
     dec = pair.decoder
     nb = pair.spec.num_blocks
     dst = pair.decoder_cache()
-    executor = dec._executor
+    executor = dec._rt.executor
     assert executor is not None
-    link = dec._registry.find(pair.prompt_id)
+    link = dec._rt.links.find(pair.prompt_id)
     assert link is not None
     everything = list(range(nb))
     loop = asyncio.get_running_loop()

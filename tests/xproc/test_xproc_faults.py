@@ -112,7 +112,7 @@ async def test_unlink_while_pulls_are_queued(path: str) -> None:
         prompt = await h.peer(cluster_id=PROMPT, data_path=path, seed=SEED)
         dd, local = await h.local(DECODER, decoder_options(path))
         await link(dd, prompt, PROMPT)
-        lk = dd._registry.find(PROMPT)
+        lk = dd._rt.links.find(PROMPT)
         assert lk is not None
         dst = local["alloc"]
         cm = dd.cache_manager
@@ -217,7 +217,7 @@ async def test_serving_side_survives_decoders_dying_mid_transfer() -> None:
             assert (await d.ok("link", cluster_id=PROMPT, host=host, port=port))["status"] == 0
         await until(lambda: len(dd.links) == 3, what="three links")
         big = local["big"]
-        entry = dd.cache_manager._entries[big.cache.cache_id]
+        entry = dd._rt.caches.entries[big.cache.cache_id]
         nblocks = big.spec.shape[0]
         loop = asyncio.get_running_loop()
 

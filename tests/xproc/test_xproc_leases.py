@@ -97,7 +97,7 @@ async def test_pulls_never_see_a_dead_registration(path: str) -> None:
         key = BlocksCacheKey(PROMPT, MODEL)
         # Sanity: the path really is the one-sided one.
         await dd.cache_manager.pull_blocks(key, dst.cache, blocks, blocks, timeout=5)
-        lk = dd._registry.find(PROMPT)
+        lk = dd._rt.links.find(PROMPT)
         assert lk is not None
         assert lk.path.path_for(lk.path.remote_table.blocks(MODEL)).kinds[0] == path
 
@@ -165,7 +165,7 @@ async def test_unregister_waits_for_a_running_pull(path: str) -> None:
             )
             if rnd % 2 == 0:
                 # The free comes while the copy runs under the lease (it must wait for it).
-                lk = dd._registry.find(PROMPT)
+                lk = dd._rt.links.find(PROMPT)
                 assert lk is not None and lk.path.fds is not None
                 remote = lk.path.remote_table.blocks(MODEL)
                 assert remote is not None and remote.lease is not None
@@ -394,7 +394,7 @@ async def test_a_stalled_reader_holds_off_unregister(ending: str) -> None:
         assert reply["status"] == 0, reply
         cm = prompt_dd.cache_manager
         big = caches["big"].cache
-        entry = cm._entries[big.cache_id]
+        entry = cm._caches.entries[big.cache_id]
         assert entry.lease is not None
         slot, gen = entry.lease
         # The page goes to the decoder over the fd channel, which the decoder connects

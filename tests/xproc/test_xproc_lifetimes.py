@@ -65,7 +65,7 @@ async def test_link_closed_under_a_pull_keeps_its_streams_until_the_mover_return
         prompt = await h.peer(cluster_id=PROMPT, data_path="tcp", seed=SEED, big_mib=64)
         dd, local = await h.local(DECODER, decoder_options("tcp"), big_mib=64)
         await link(dd, prompt, PROMPT)
-        lk = dd._registry.find(PROMPT)
+        lk = dd._rt.links.find(PROMPT)
         assert lk is not None
         peer = lk.path.peer  # type: ignore[attr-defined]
         big = local["big"]
@@ -91,13 +91,13 @@ async def test_link_closed_under_a_pull_keeps_its_streams_until_the_mover_return
             socks = [s for s in peer.streams.sockets[peer.streams.my_direction] if s is not None]
             fds = [s.fileno() for s in socks]
             inodes = [os.fstat(fd).st_ino for fd in fds]
-            assert dd._executor.in_flight == 1 and not pull.done()
+            assert dd._rt.executor.in_flight == 1 and not pull.done()
             started = loop.time()
             await peer.close("control connection lost (test)")
             # Files opened now would take any fd number the close freed.
             spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(len(fds) + 4)]
             try:
-                if dd._executor.in_flight:
+                if dd._rt.executor.in_flight:
                     assert _same_sockets(fds, inodes) == []
             finally:
                 for fd in spare:
@@ -125,7 +125,7 @@ async def test_replaced_stream_is_not_closed_under_the_serving_job() -> None:
         assert dd.listen_address is not None
         host, port = dd.listen_address
         big = local["big"]
-        entry = dd.cache_manager._entries[big.cache.cache_id]
+        entry = dd._rt.caches.entries[big.cache.cache_id]
         tensor = big.spec.nbytes
         async with RawClient(host, port) as raw:
             await raw.handshake(RAW)

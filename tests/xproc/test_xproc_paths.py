@@ -58,7 +58,7 @@ async def linked(h: Harness, path: str, **peer_kw: object) -> tuple[object, dict
     prompt = await h.peer(cluster_id=PROMPT, data_path=path, seed=SEED, **peer_kw)
     dd, local = await h.local(DECODER, decoder_options(path))
     await link(dd, prompt, PROMPT)
-    lk = dd._registry.find(PROMPT)
+    lk = dd._rt.links.find(PROMPT)
     assert lk is not None
     cma_ok = lk.path.cma is not None
     if path == "cma" and not cma_ok:
@@ -222,7 +222,7 @@ async def test_registration_after_link(allocate: bool) -> None:
     async with Harness() as h:
         dd, local, prompt, cma_ok = await linked(h, "auto")
         spec = xc.Spec("late", True, allocate, (xc.NUM_BLOCKS, *xc.BLOCK_SHAPE), model_id=5)
-        lk = dd._registry.find(PROMPT)
+        lk = dd._rt.links.find(PROMPT)
         assert lk is not None
         assert lk.path.remote_table.blocks(5) is None
         # Pulled at once: the pull itself must bring the fresh table in.
@@ -288,7 +288,7 @@ async def test_freed_caches_leave_the_peer() -> None:
     LLM_KV_CACHE_NOT_EXIST), and the decoder lets go of its shared-memory mapping."""
     async with Harness() as h:
         dd, local, prompt, _ = await linked(h, "auto")
-        lk = dd._registry.find(PROMPT)
+        lk = dd._rt.links.find(PROMPT)
         assert lk is not None
         await prompt.ok("register", name="late", model_id=5, seed=77, allocate=True)
         await dd.cache_manager.pull_blocks(

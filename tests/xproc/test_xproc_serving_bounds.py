@@ -118,7 +118,7 @@ async def test_tcp_pull_with_an_unbounded_deadline(far: float | None) -> None:
         dd, local = await h.local(DECODER, decoder_options("tcp"))
         status, _ = await dd.link_clusters([cluster_info(PROMPT, host, port)], 5000)
         assert status == S.LLM_SUCCESS
-        lk = dd._registry.find(PROMPT)
+        lk = dd._rt.links.find(PROMPT)
         assert lk is not None
         remote = lk.path.remote_table.blocks(xc.MODEL_REG)
         assert remote is not None

@@ -200,8 +200,8 @@ async def test_server_started_transfers_recover_after_a_failure() -> None:
         client, _ = await h.local(DECODER, decoder_options("tcp"), seed=SEED + 1)
         status, _ = await client.link_clusters([cluster_info(PROMPT, host, port)], 5000)
         assert status == S.LLM_SUCCESS
-        await until(lambda: server._registry.find(DECODER) is not None, what="the link")
-        lk = server._registry.find(DECODER)
+        await until(lambda: server._rt.links.find(DECODER) is not None, what="the link")
+        lk = server._rt.links.find(DECODER)
         assert lk is not None
         await lk.path.refresh(None)
         remote = lk.path.remote_table.blocks(xc.MODEL_REG)

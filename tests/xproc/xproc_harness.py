@@ -238,7 +238,7 @@ async def link(dd: LLMDataDist, peer: PeerProc, cluster_id: int, timeout: int = 
 
 def path_of(dd: LLMDataDist, cluster_id: int, model_id: int) -> str:
     """The data path the link to ``cluster_id`` uses for that peer's blocks cache ``model_id``."""
-    lk = dd._registry.find(cluster_id)
+    lk = dd._rt.links.find(cluster_id)
     assert lk is not None, f"no link to {cluster_id}"
     remote = lk.path.remote_table.blocks(model_id)
     assert remote is not None, f"cluster {cluster_id} has no blocks cache {model_id}"
