@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, ParamSpec, Protocol, TypeVar, cast, overload
 
 from ._executor import quiesce
-from .errors import api_scope
+from .errors import API_CONTEXT
 
 __all__ = ["bridged", "public"]
 
@@ -142,7 +142,7 @@ def public(
     name: str, *, on_abandoned: Callable[[Any], Awaitable[None]] | None = None
 ) -> Callable[[F], F]:
     """Marks a public call of the facade: ``name`` goes into every error raised inside
-    (:func:`aiodatadist.errors.api_scope`), once, here; a coroutine is also
+    (:data:`aiodatadist.errors.API_CONTEXT`), once, here; a coroutine is also
     :func:`bridged` (run on the instance's home loop when awaited from another loop).
     The decorated function keeps its signature.
     """
@@ -150,19 +150,40 @@ def public(
     def decorate(fn: F) -> F:
         if inspect.iscoroutinefunction(fn):
 
-            @functools.wraps(fn)
             async def scoped(*args: Any, **kwargs: Any) -> Any:
-                with api_scope(name):
+                token = API_CONTEXT.set(name)
+                try:
                     return await fn(*args, **kwargs)
+                finally:
+                    API_CONTEXT.reset(token)
 
             if on_abandoned is None:
-                return cast(F, bridged(scoped))
-            return cast(F, bridged(on_abandoned=on_abandoned)(scoped))
+                across = bridged(scoped)
+            else:
+                across = bridged(on_abandoned=on_abandoned)(scoped)
+
+            @functools.wraps(fn)
+            async def entry(*args: Any, **kwargs: Any) -> Any:
+                owner: _HasHomeLoop = args[0]
+                home = owner._home_loop()
+                if home is not None and home is not asyncio.get_running_loop():
+                    return await across(*args, **kwargs)
+                # On the home loop (the common case): one frame, no bridge.
+                token = API_CONTEXT.set(name)
+                try:
+                    return await fn(*args, **kwargs)
+                finally:
+                    API_CONTEXT.reset(token)
+
+            return cast(F, entry)
 
         @functools.wraps(fn)
         def scoped_sync(*args: Any, **kwargs: Any) -> Any:
-            with api_scope(name):
+            token = API_CONTEXT.set(name)
+            try:
                 return fn(*args, **kwargs)
+            finally:
+                API_CONTEXT.reset(token)
 
         return cast(F, scoped_sync)
 

@@ -45,6 +45,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, TypeVar
 
 __all__ = [
+    "API_CONTEXT",
     "NATIVE_STATUS_NAMES",
     "NATIVE_STATUS_TABLE",
     "LLMCacheNotFoundError",
@@ -275,23 +276,24 @@ def format_error(api: str, status: int, info: str = "") -> str:
     return f"{api} failed, error code is {code}."
 
 
-_CURRENT_API: ContextVar[str] = ContextVar("aiodatadist_api", default="aiodatadist")
+API_CONTEXT: ContextVar[str] = ContextVar("aiodatadist_api", default="aiodatadist")
+"""The public call running in this context; set by the facade (``_bridge.public``)."""
 
 
 def current_api() -> str:
     """The public call running in this context (``"aiodatadist"`` outside any)."""
-    return _CURRENT_API.get()
+    return API_CONTEXT.get()
 
 
 @contextlib.contextmanager
 def api_scope(name: str) -> Iterator[None]:
     """Names the public call for every :func:`failure` made inside (tasks it starts too:
     they copy the context)."""
-    token = _CURRENT_API.set(name)
+    token = API_CONTEXT.set(name)
     try:
         yield
     finally:
-        _CURRENT_API.reset(token)
+        API_CONTEXT.reset(token)
 
 
 def failure(
@@ -314,7 +316,7 @@ def failure(
         The :class:`LLMException` subclass for ``code`` (raise it).
     """
     status = to_status_code(code)
-    message = format_error(api or _CURRENT_API.get(), status, info)
+    message = format_error(api or API_CONTEXT.get(), status, info)
     return (kind or LLMException)(message, status_code=status)
 
 
