@@ -7,7 +7,6 @@ hold after the native core merged adjacent ones, or the status code it must fail
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -521,7 +520,7 @@ def test_requests_are_immutable() -> None:
         CopyRequest(entry=LOCAL_BLOCKS, pairs=((0, 1),), deadline=0.0),
     ]
     for r in requests:
-        with pytest.raises(dataclasses.FrozenInstanceError):
+        with pytest.raises(AttributeError):
             r.deadline = 1.0
     assert pull.cluster_id == PEER
 
