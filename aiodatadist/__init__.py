@@ -15,7 +15,7 @@ except ImportError as _e:  # a source tree without a build, or a core that canno
     raise no_core_error(_e, __file__) from None
 
 from .cache_manager import CacheManager, CacheTask
-from .config import LLMConfig, LlmConfig
+from .config import DataPath, LLMConfig, LlmConfig
 from .datadist import LLMDataDist
 from .errors import (
     LLMCacheNotFoundError,
@@ -53,6 +53,7 @@ __all__ = [
     "CacheKeyByIdAndIndex",
     "CacheManager",
     "CacheTask",
+    "DataPath",
     "DataType",
     "KvCache",
     "LLMCacheNotFoundError",
