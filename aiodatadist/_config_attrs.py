@@ -16,6 +16,7 @@ from ._cluster import ip_to_int
 from ._options import (
     DATA_PATHS,
     TRANSFER_BACKENDS,
+    DataPath,
     check_json,
     check_pool_cfg,
     is_decimal,
@@ -156,10 +157,10 @@ def check_cluster_info(name: str, value: Any) -> str:
     return json.dumps(info)
 
 
-def check_data_path(name: str, value: Any) -> str:
+def check_data_path(name: str, value: Any) -> DataPath:
     check_str(name, value)
     require(value in DATA_PATHS, f"{name} must be one of {list(DATA_PATHS)}, got {value!r}")
-    return value  # type: ignore[no-any-return]
+    return DataPath(value)
 
 
 def check_secret(name: str, value: Any) -> str:

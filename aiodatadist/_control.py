@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import logging
 import os
@@ -27,7 +28,7 @@ from ._caches import CacheTable
 from ._fdchannel import FdChannel, FdListener
 from ._handshake import Agreed, client_handshake, has_spoken, offered_paths, server_handshake
 from .config import DataPath
-from .errors import LLMException, LLMStatusCode, failure
+from .errors import API_CONTEXT, API_CONTEXT_NONE, LLMException, LLMStatusCode, failure
 from .links import Link
 from .transports.host import host_identity, verified_same_host
 from .transports.peer import PeerInfo
@@ -117,7 +118,9 @@ class Peer:
         self._spawn(self.serving.run(), "aiodatadist-peer-serve")
 
     def _spawn(self, coro: Any, name: str | None = None) -> None:
-        task = self._loop.create_task(coro, name=name)
+        # A fresh context: the link's tasks belong to no public call (a context copied
+        # from link_clusters or a pull would name that call in their errors).
+        task = self._loop.create_task(coro, name=name, context=contextvars.Context())
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
@@ -436,6 +439,9 @@ class ControlServer:
             ) from e
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Accepted connections run in the context the server was started in (init's):
+        # they belong to no public call.
+        API_CONTEXT.set(API_CONTEXT_NONE)
         task = asyncio.current_task()
         assert task is not None
         self._handshakes.add(task)

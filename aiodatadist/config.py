@@ -404,7 +404,7 @@ class LLMConfig:
 
     # -- this library's attributes -------------------------------------------
 
-    data_path: Option[str] = Option(
+    data_path: Option[DataPath] = Option(
         OPT_DATA_PATH,
         check_data_path,
         default=DEFAULT_DATA_PATH,

@@ -59,6 +59,9 @@ class LLMDataDist:
         self._options = Options()
         # Everything an initialized instance's parts share; None until init, after finalize.
         self._rt: Runtime | None = None
+        # The loop init ran on: the instance's home, kept after finalize (a call from
+        # another thread's loop, finalize included, is still handed to it, or refused).
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._cache_manager: CacheManager | None = None
         self._lifecycle = asyncio.Lock()
         self._server: ControlServer | None = None
@@ -104,7 +107,7 @@ class LLMDataDist:
         return [] if self._rt is None else list(self._rt.links)
 
     def _home_loop(self) -> asyncio.AbstractEventLoop | None:
-        return None if self._rt is None else self._rt.loop
+        return self._loop
 
     def _require_initialized(self) -> None:
         if self._rt is None:
@@ -151,6 +154,7 @@ class LLMDataDist:
                         raise
                     self._server = server
             self._rt = rt
+            self._loop = rt.loop
             self._cache_manager = CacheManager(rt)
             _instances[self._cluster_id] = self
             log.debug("initialized %s cluster %d", self._role.name, self._cluster_id)

@@ -46,6 +46,7 @@ from typing import Any, ClassVar, TypeVar
 
 __all__ = [
     "API_CONTEXT",
+    "API_CONTEXT_NONE",
     "NATIVE_STATUS_NAMES",
     "NATIVE_STATUS_TABLE",
     "LLMCacheNotFoundError",
@@ -276,7 +277,9 @@ def format_error(api: str, status: int, info: str = "") -> str:
     return f"{api} failed, error code is {code}."
 
 
-API_CONTEXT: ContextVar[str] = ContextVar("aiodatadist_api", default="aiodatadist")
+API_CONTEXT_NONE = "aiodatadist"
+""":data:`API_CONTEXT`'s value outside any public call."""
+API_CONTEXT: ContextVar[str] = ContextVar("aiodatadist_api", default=API_CONTEXT_NONE)
 """The public call running in this context; set by the facade (``_bridge.public``)."""
 
 
