@@ -106,10 +106,11 @@ def _settings(request: pytest.FixtureRequest, **defaults: Any) -> dict[str, Any]
 def _open_pair(
     stack: contextlib.AsyncExitStack, settings: dict[str, Any]
 ) -> Awaitable[Pair | RemotePair]:
+    from .config import DataPath
     from .testing import PromptSpec, inproc_pair, remote_pair
 
     s = dict(settings)
-    data_path = str(s.pop("data_path", "auto"))
+    data_path = str(s.pop("data_path", DataPath.AUTO))
     cross = bool(s.pop("cross_process", False))
     faults = bool(s.pop("faults", True))
     spec = s.pop("spec", None)

@@ -27,17 +27,18 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .._options import DataPath
 from ..testing.peer import python_argv, python_env
 
 __all__ = ["clean_stale_segments", "run_doctor"]
 
-CROSS_PROCESS = ("shm", "cma", "tcp")
+CROSS_PROCESS = DataPath.remote()
 _PROBE_TIMEOUT = 20.0
 
 
 @dataclass
 class PathReport:
-    name: str
+    name: DataPath
     works: bool
     detail: str
     notes: list[str] = field(default_factory=list)
@@ -163,7 +164,7 @@ _SLEEPER = "import sys; print('up', flush=True); sys.stdin.read()"
 
 
 def probe_inproc() -> PathReport:
-    return PathReport("inproc", True, "both instances in one process: always available")
+    return PathReport(DataPath.INPROC, True, "both instances in one process: always available")
 
 
 def probe_shm() -> PathReport:
@@ -178,7 +179,7 @@ def probe_shm() -> PathReport:
         if free < 2**30:
             notes.append(f"only {_fmt_bytes(free)} free in /dev/shm: big allocate_* calls fail")
     except OSError as e:
-        return PathReport("shm", False, f"/dev/shm is not available: {e.strerror}")
+        return PathReport(DataPath.SHM, False, f"/dev/shm is not available: {e.strerror}")
     stale = stale_segments()
     if stale:
         notes.append(
@@ -189,7 +190,7 @@ def probe_shm() -> PathReport:
     try:
         seg = _native.ShmSegment.create(name, 4096)
     except _native.NativeError as e:
-        return PathReport("shm", False, f"memfd_create/mmap failed: {e}", notes)
+        return PathReport(DataPath.SHM, False, f"memfd_create/mmap failed: {e}", notes)
     try:
         memoryview(seg)[:8] = b"aiodatad"
         code = (
@@ -204,13 +205,13 @@ def probe_shm() -> PathReport:
         if proc.returncode != 0 or out.strip() != "aiodatad":
             last = (err.strip().splitlines() or ["no output"])[-1]
             return PathReport(
-                "shm", False, f"another process cannot map the segment: {last}", notes
+                DataPath.SHM, False, f"another process cannot map the segment: {last}", notes
             )
     finally:
         seg.close()
     st = os.statvfs("/dev/shm")
     return PathReport(
-        "shm",
+        DataPath.SHM,
         True,
         f"a segment made here is mapped by another process; /dev/shm "
         f"{_fmt_bytes(st.f_bavail * st.f_frsize)} free (prompt caches from allocate_* live there)",
@@ -324,10 +325,10 @@ def cma_verdict(
     why = [] if scope is None else [f"yama ptrace_scope={scope} ({_SCOPES.get(scope, '?')})"]
     (ok_child, err_child), (ok_sib, err_sib) = child, sibling
     if ok_sib:
-        return PathReport("cma", True, "process_vm_readv works between unrelated processes")
+        return PathReport(DataPath.CMA, True, "process_vm_readv works between unrelated processes")
     if ok_child:
         return PathReport(
-            "cma",
+            DataPath.CMA,
             True,
             "process_vm_readv works only toward descendants: a decoder can read a prompt "
             f"it started, not an unrelated one (errno {_errno_name(err_sib)}); links to "
@@ -341,7 +342,7 @@ def cma_verdict(
         detail += f"; the kernel's ptrace policy forbids it{policy}; links use shm or tcp"
     elif err == errno.ENOSYS:
         detail += "; the kernel (or a seccomp filter) lacks process_vm_readv"
-    return PathReport("cma", False, detail, why)
+    return PathReport(DataPath.CMA, False, detail, why)
 
 
 def probe_cma() -> PathReport:
@@ -349,7 +350,7 @@ def probe_cma() -> PathReport:
     try:
         child, sibling = _cma_probes()
     except RuntimeError as e:
-        return PathReport("cma", False, str(e))
+        return PathReport(DataPath.CMA, False, str(e))
     return cma_verdict(_read("/proc/sys/kernel/yama/ptrace_scope"), child, sibling)
 
 
@@ -365,16 +366,16 @@ def probe_tcp() -> PathReport:
                     conn.settimeout(_PROBE_TIMEOUT)
                     c.sendall(b"p")
                     if conn.recv(1) != b"p":
-                        return PathReport("tcp", False, "loopback lost a byte")
+                        return PathReport(DataPath.TCP, False, "loopback lost a byte")
                     conn.sendall(b"q")
                     if c.recv(1) != b"q":
-                        return PathReport("tcp", False, "loopback lost a byte")
+                        return PathReport(DataPath.TCP, False, "loopback lost a byte")
     except OSError as e:
-        return PathReport("tcp", False, f"loopback listen/connect failed: {e}")
-    return PathReport("tcp", True, "loopback listen/connect works (127.0.0.1)")
+        return PathReport(DataPath.TCP, False, f"loopback listen/connect failed: {e}")
+    return PathReport(DataPath.TCP, True, "loopback listen/connect works (127.0.0.1)")
 
 
-async def _end_to_end(reports: dict[str, PathReport]) -> None:
+async def _end_to_end(reports: dict[DataPath, PathReport]) -> None:
     """Starts a prompt process and pulls (and checks) one block over each cross-process path."""
     from ..datadist import LLMDataDist
     from ..errors import LLMException
@@ -434,7 +435,7 @@ async def run_doctor(args: argparse.Namespace) -> int:
         cleaned = clean_stale_segments()  # first: the shm probe then reports what is left
     vers = versions()
     lims = limits()
-    reports = {"inproc": probe_inproc()}
+    reports = {DataPath.INPROC: probe_inproc()}
     for probe in (probe_shm, probe_cma, probe_tcp):
         # Blocking probes (child processes) run off the loop, bounded by _PROBE_TIMEOUT each.
         rep = await loop.run_in_executor(None, probe)

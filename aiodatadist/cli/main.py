@@ -12,6 +12,8 @@ import asyncio
 import sys
 from collections.abc import Callable, Sequence
 
+from .._options import DataPath
+
 __all__ = ["DESCRIPTION", "build_parser", "main"]
 
 # What ``aiodatadist --help`` prints above the commands: plain text (no reST markup).
@@ -36,15 +38,15 @@ def _int_list(text: str) -> list[int]:
     return out
 
 
-def _path_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
+def _path_list(choices: Sequence[DataPath]) -> Callable[[str], list[DataPath]]:
+    def parse(text: str) -> list[DataPath]:
         out = [x.strip() for x in text.split(",") if x.strip()]
         bad = [x for x in out if x not in choices]
         if not out or bad:
             raise argparse.ArgumentTypeError(
                 f"expected a comma-separated subset of {','.join(choices)}, got {text!r}"
             )
-        return out
+        return [DataPath(x) for x in out]
 
     return parse
 
@@ -90,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--head-dim", type=int, help="head dimension; default 128")
     demo.add_argument(
         "--paths",
-        type=_path_list(("shm", "cma", "tcp")),
-        default=["shm", "cma", "tcp"],
+        type=_path_list(DataPath.remote()),
+        default=list(DataPath.remote()),
         help="data paths to try (default shm,cma,tcp)",
     )
     demo.add_argument("--seed", type=int, default=7, help="seed of the data and the request")
@@ -125,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--paths",
-        type=_path_list(("inproc", "shm", "cma", "tcp")),
+        type=_path_list((DataPath.INPROC, *DataPath.remote())),
         default=None,
         help="data paths (default inproc,shm,cma,tcp)",
     )
