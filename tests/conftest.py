@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import gc
 import os
 import sys
 import threading
@@ -50,6 +51,14 @@ def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
     return {"asyncio": asyncio.new_event_loop, "uvloop": _UvLoop}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # What the run holds for its whole length (the modules, the collected items) leaves
+    # the collector's view: a gc.collect() between tests (tests/engine does one before
+    # each) then scans only what the tests made: ~1 ms instead of ~40 ms per collection.
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,6 +1,7 @@
-"""The suite cannot hang (issue 9, finding 11).
+"""The suite's own guards: it cannot hang (issue 9, finding 11), and its conventions hold
+(issue 10: one import style, one timeout setting; at the end of this file).
 
-Each case runs a small test file in a child pytest with this suite's conftest and
+Each hang case runs a small test file in a child pytest with this suite's conftest and
 pytest settings, under a bound; main hung in both:
 
 * a test leaving a server and a connection open on uvloop: uvloop's ``close()`` warned
@@ -12,6 +13,8 @@ pytest settings, under a bound; main hung in both:
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
 import shutil
 import subprocess
@@ -78,3 +81,109 @@ def test_the_watchdog_ends_a_run_no_signal_can_stop(tmp_path: Path) -> None:
     assert rc == 70, out[-3000:]
     assert "watchdog" in out and "test_no_signal_reaches_it" in out, out[-3000:]
     assert elapsed < 30
+
+
+# ------------------------------------------------------------------ the suite's conventions
+# (issue 10) One import style: every directory of tests/ is a package, and test helpers are
+# imported absolutely from it (``from tests.xproc.xproc_harness import Harness``), never
+# relatively, never by a bare name that needs a sys.path entry. One timeout: pyproject's.
+
+TESTS = ROOT / "tests"
+# bench/ is a directory of scripts that import each other by name (not a package): its
+# test imports them as those scripts run, with bench/ on sys.path for the import only.
+SYS_PATH_ALLOWED = {"tests/frontdoor/test_bench_paths.py"}
+# In long mode an adversity scenario runs for minutes: its bound grows with its budget.
+TIMEOUT_ALLOWED = {"tests/adversity/conftest.py"}
+
+
+@functools.cache
+def _sources() -> list[Path]:
+    return sorted(p for p in TESTS.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def test_every_test_directory_is_a_package() -> None:
+    dirs = {p.parent for p in _sources()}
+    missing = sorted(_rel(d) for d in dirs if not (d / "__init__.py").is_file())
+    assert not missing, f"directories of tests/ without __init__.py: {missing}"
+
+
+def test_test_helpers_are_imported_absolutely() -> None:
+    local = {p.stem for p in _sources()} | {p.parent.name for p in _sources()}
+    local -= {"__init__", "conftest", "tests"}
+    bad = []
+    for path in _sources():
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+                if node.level:
+                    bad.append(f"{_rel(path)}:{node.lineno}: relative import")
+                    continue
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name.partition(".")[0] in local:
+                    bad.append(f"{_rel(path)}:{node.lineno}: {name} (write tests.<dir>.{name})")
+    assert not bad, "\n".join(bad)
+
+
+def _edits_sys_path(node: ast.AST) -> bool:
+    """``sys.path.insert(...)`` and the like, ``sys.path = ...``, ``syspath_prepend``."""
+
+    def is_sys_path(n: ast.AST) -> bool:
+        return (
+            isinstance(n, ast.Attribute)
+            and n.attr == "path"
+            and isinstance(n.value, ast.Name)
+            and n.value.id == "sys"
+        )
+
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if node.func.attr == "syspath_prepend" or (
+            is_sys_path(node.func.value) and node.func.attr not in ("index", "count", "copy")
+        ):
+            return True
+    if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for t in targets:
+            if is_sys_path(t) or (isinstance(t, ast.Subscript) and is_sys_path(t.value)):
+                return True
+    return False
+
+
+def test_no_test_edits_sys_path() -> None:
+    bad = [
+        f"{_rel(path)}:{node.lineno}"
+        for path in _sources()
+        if _rel(path) not in SYS_PATH_ALLOWED
+        for node in ast.walk(_tree(path))
+        if _edits_sys_path(node)
+    ]
+    assert not bad, f"sys.path edited (children get PYTHONPATH or cwd instead): {bad}"
+
+
+def test_one_timeout_setting() -> None:
+    """pyproject's ``timeout`` bounds every test; nothing sets another one."""
+    bad = []
+    for path in _sources():
+        if _rel(path) in TIMEOUT_ALLOWED:
+            continue
+        for node in ast.walk(_tree(path)):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "timeout"
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "mark"
+            ):
+                bad.append(f"{_rel(path)}:{node.lineno}")
+    assert not bad, f"a test sets its own pytest timeout: {bad}"

@@ -36,6 +36,12 @@ from aiodatadist.testing import PeerControl, PeerProcess, pattern_blocks
 
 HERE = Path(__file__).resolve().parent
 ACTOR = HERE / "actor.py"
+# The actor imports ``tests.adversity``: the repository root goes on its PYTHONPATH.
+CHILD_PATH = {
+    "PYTHONPATH": os.pathsep.join(
+        p for p in (str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")) if p
+    )
+}
 START_TIMEOUT = 30.0
 REPLY_TIMEOUT = 20.0
 
@@ -323,6 +329,7 @@ class ActorProc:
             role=LLMRole.PROMPT if role == "prompt" else LLMRole.DECODER,
             host="127.0.0.1" if listen else None,
             options=opts,
+            env=CHILD_PATH,
             start_timeout=START_TIMEOUT,
             serve_cache=False,
             plugin=str(ACTOR),

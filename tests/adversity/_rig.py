@@ -15,8 +15,7 @@ from typing import Any
 
 from aiodatadist import BlocksCacheKey, LLMDataDist, LLMException, LLMRole
 from aiodatadist.testing import FilledCache, cluster_info, inproc_pair, make_blocks_cache
-
-from ._common import (
+from tests.adversity._common import (
     BLOCK_SHAPE,
     CACHE_FOR_MODEL,
     MODEL_FOR_PATH,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from ._common import (
+from tests.adversity._common import (
     LIVE,
     ledger,
     ledger_growth,

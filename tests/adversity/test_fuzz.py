@@ -47,8 +47,15 @@ from aiodatadist import (
     TransferWithCacheKeyConfig,
 )
 from aiodatadist.testing import cluster_info, inproc_pair, make_blocks_cache
-
-from ._common import LONG, Figures, check_pull, fill_blocks, long_seconds, new_cluster_id, snapshot
+from tests.adversity._common import (
+    LONG,
+    Figures,
+    check_pull,
+    fill_blocks,
+    long_seconds,
+    new_cluster_id,
+    snapshot,
+)
 
 S = LLMStatusCode
 DOCUMENTED = {

@@ -32,8 +32,7 @@ from aiodatadist import (
     TransferWithCacheKeyConfig,
 )
 from aiodatadist.testing import cluster_info, make_blocks_cache
-
-from ._common import (
+from tests.adversity._common import (
     NUM_BLOCKS,
     NUM_TENSORS,
     ActorProc,
@@ -47,7 +46,7 @@ from ._common import (
     snapshot,
     start_prompt,
 )
-from ._rig import decoder_options, rig
+from tests.adversity._rig import decoder_options, rig
 
 pytestmark = pytest.mark.slow  # actor processes under load for seconds: the full run's
 

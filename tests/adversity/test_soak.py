@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 
 from aiodatadist import LLMException, LLMStatusCode
-
-from ._common import (
+from tests.adversity._common import (
     NUM_BLOCKS,
     ActorProc,
     Figures,
@@ -30,7 +29,7 @@ from ._common import (
     snapshot,
     start_prompt,
 )
-from ._rig import Rig, path_in_use, rig
+from tests.adversity._rig import Rig, path_in_use, rig
 
 pytestmark = pytest.mark.slow  # actor processes under load for seconds: the full run's
 

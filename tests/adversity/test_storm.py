@@ -28,8 +28,7 @@ import numpy as np
 import pytest
 
 from aiodatadist import LLMException
-
-from ._common import (
+from tests.adversity._common import (
     BUSY_MODEL,
     BUSY_SEED,
     BUSY_SHAPE,
@@ -42,7 +41,7 @@ from ._common import (
     snapshot,
     start_prompt,
 )
-from ._rig import Rig, rig
+from tests.adversity._rig import Rig, rig
 
 pytestmark = pytest.mark.slow  # actor processes under load for seconds: the full run's
 

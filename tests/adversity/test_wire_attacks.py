@@ -22,8 +22,7 @@ import pytest
 
 from aiodatadist import LLMDataDist, LLMException, LLMRole, _wire
 from aiodatadist.testing import cluster_info
-
-from ._common import (
+from tests.adversity._common import (
     NUM_BLOCKS,
     NUM_TENSORS,
     ActorProc,
@@ -35,8 +34,8 @@ from ._common import (
     snapshot,
     start_prompt,
 )
-from ._raw import RawClient, Siege, attacks
-from ._rig import Rig, decoder_options, rig
+from tests.adversity._raw import RawClient, Siege, attacks
+from tests.adversity._rig import Rig, decoder_options, rig
 
 pytestmark = pytest.mark.slow  # actor processes under load for seconds: the full run's
 

@@ -9,8 +9,7 @@ import pytest
 import pytest_asyncio
 
 from aiodatadist.testing import Pair, inproc_pair
-
-from ._util import SLOW_OPTIONS
+from tests.engine._util import SLOW_OPTIONS
 
 
 @pytest.fixture(autouse=True)

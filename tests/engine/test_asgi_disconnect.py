@@ -29,8 +29,7 @@ from starlette.routing import Route
 
 from aiodatadist import BlocksCacheKey, DataType
 from aiodatadist.testing import inproc_pair, make_blocks_cache, pattern_blocks, pattern_mismatches
-
-from ._util import SLOW_OPTIONS, executor_of, wait_until
+from tests.engine._util import SLOW_OPTIONS, executor_of, wait_until
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]  # HTTP servers and big pulls
 

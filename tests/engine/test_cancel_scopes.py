@@ -34,8 +34,7 @@ from aiodatadist.testing import (
     pattern_blocks,
     pattern_mismatches,
 )
-
-from ._util import SLOW_OPTIONS, executor_of, link_of, wait_until
+from tests.engine._util import SLOW_OPTIONS, executor_of, link_of, wait_until
 
 PATHS = ["inproc", "shm", "cma", "tcp"]
 KINDS = ["asyncio.timeout", "task.cancel", "move_on_after", "fail_after", "task_group"]

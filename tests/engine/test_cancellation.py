@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from aiodatadist.testing import Pair
-
-from ._util import (
+from tests.engine._util import (
     ALL_BIG,
     BOUND_S,
     Tracker,

@@ -9,8 +9,7 @@ import pytest
 
 from aiodatadist import CacheDesc, DataType, LLMParamError, LLMStatusCode, Placement
 from aiodatadist.testing import Pair
-
-from ._util import (
+from tests.engine._util import (
     BOUND_S,
     assert_bytes,
     big_cache,
@@ -90,7 +89,6 @@ async def test_allocated_cache_and_dtypes(pair: Pair) -> None:
          "dst-out-of-range", "src-out-of-range", "negative-src", "negative-dst",
          "not-a-mapping", "dst-not-a-list", "key-str", "dst-float"],
 )
-@pytest.mark.slow  # a matrix of cases, each with its own linked pair
 async def test_bad_copies_change_nothing(pair: Pair, info, exc: type[BaseException]) -> None:
     fc = pair.decoder_cache(seed=5, num_tensors=2, num_blocks=16, block_shape=BLOCK)
     before = snapshot(fc)

@@ -27,8 +27,7 @@ from aiodatadist import (
     TransferWithCacheKeyConfig,
 )
 from aiodatadist.testing import Pair, fill_pattern, make_blocks_cache, pattern_mismatches
-
-from ._util import snapshot
+from tests.engine._util import snapshot
 
 pytestmark = pytest.mark.asyncio
 

@@ -12,8 +12,7 @@ import pytest
 
 from aiodatadist import BlocksCacheKey, LLMDataDist, LLMRole
 from aiodatadist.testing import Pair, cluster_info, inproc_pair, make_blocks_cache
-
-from ._util import (
+from tests.engine._util import (
     ALL_BIG,
     BOUND_S,
     Tracker,

@@ -26,8 +26,7 @@ from aiodatadist import (
     TransferWithCacheKeyConfig,
 )
 from aiodatadist.testing import Pair, cluster_info, inproc_pair, make_blocks_cache
-
-from ._util import (
+from tests.engine._util import (
     ALL_BIG,
     BOUND_S,
     SLOW_OPTIONS,
@@ -344,3 +343,4 @@ async def test_finalize_is_bounded_by_finalize_timeout_in_total(caplog) -> None:
         finally:
             gate.set()
             blocked.set()
+

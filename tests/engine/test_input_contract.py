@@ -34,8 +34,7 @@ from aiodatadist import (
 )
 from aiodatadist import _validate as v
 from aiodatadist.testing import FilledCache, Pair, make_blocks_cache, pattern_mismatches
-
-from ._util import snapshot
+from tests.engine._util import snapshot
 
 P, D = 1, 2
 BLOCK = (16, 2, 64)  # 4 KiB blocks
@@ -201,7 +200,6 @@ BAD_IDS = [
 
 @pytest.mark.parametrize("case", BAD_IDS)
 @pytest.mark.asyncio
-@pytest.mark.slow  # a matrix of cases, each with its own linked pair
 async def test_bad_ids_are_refused_and_change_nothing(pair: Pair, case: str) -> None:
     seed = 0x1D5_0100 + BAD_IDS.index(case)
     src = _src(pair, seed)

@@ -22,8 +22,7 @@ from aiodatadist import (
     LLMStatusCode,
 )
 from aiodatadist.testing import cluster_info, inproc_pair, make_blocks_cache
-
-from ._util import blocks_of
+from tests.engine._util import blocks_of
 
 pytestmark = pytest.mark.asyncio
 

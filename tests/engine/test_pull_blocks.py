@@ -14,8 +14,7 @@ import pytest
 
 from aiodatadist import CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, Placement
 from aiodatadist.testing import Pair
-
-from ._util import assert_bytes, blocks_of, reference_pull, snapshot
+from tests.engine._util import assert_bytes, blocks_of, reference_pull, snapshot
 
 pytestmark = pytest.mark.asyncio
 
@@ -55,7 +54,6 @@ def _caches(
 
 @pytest.mark.parametrize("block_shape", [SMALL, LARGE], ids=["inline", "executor"])
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.slow  # a matrix of cases, each with its own linked pair
 async def test_random_block_lists(pair: Pair, block_shape: tuple[int, ...], seed: int) -> None:
     src, dst = _caches(pair, block_shape=block_shape)
     rng = np.random.default_rng(seed)
@@ -120,7 +118,6 @@ LAYER_CASES = [
 
 
 @pytest.mark.parametrize(("t", "src_lr", "dst_lr"), LAYER_CASES)
-@pytest.mark.slow  # a matrix of cases, each with its own linked pair
 async def test_layer_ranges(pair: Pair, t: int, src_lr: range, dst_lr: range) -> None:
     src, dst = _caches(pair, block_shape=LARGE)
     blocks_src, blocks_dst = [3, 4, 7], [0, 1, 12]
@@ -200,7 +197,6 @@ async def test_no_range_means_all_layers(pair: Pair, t: int) -> None:
     ],
     ids=lambda v: v.name if isinstance(v, DataType) else "x".join(map(str, v)),
 )
-@pytest.mark.slow  # a matrix of cases, each with its own linked pair
 async def test_dtypes_and_block_sizes(
     pair: Pair, data_type: DataType, block_shape: tuple[int, ...]
 ) -> None:

@@ -26,8 +26,7 @@ from aiodatadist import (
     Placement,
 )
 from aiodatadist.testing import Pair, inproc_pair
-
-from ._util import BOUND_S, MIB, SLOW_OPTIONS, executor_of
+from tests.engine._util import BOUND_S, MIB, SLOW_OPTIONS, executor_of
 
 pytestmark = pytest.mark.asyncio
 
@@ -219,7 +218,6 @@ BAD_KW = {
 
 
 @pytest.mark.parametrize("case", BAD + list(BAD_KW))
-@pytest.mark.slow  # a matrix of cases, each with its own linked pair
 async def test_errors_leave_the_row_unchanged(pair: Pair, case: str) -> None:
     cache, _ = _rows(pair)
     dst, dst_arrays = _local(pair)

@@ -25,8 +25,7 @@ from aiodatadist import (
     Placement,
 )
 from aiodatadist.testing import Pair
-
-from ._util import instrument, wait_until
+from tests.engine._util import instrument, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -181,7 +180,6 @@ def _bad_buffers(case: str) -> tuple[list, type[BaseException]]:
      "not-a-buffer", "too-few", "too-many", "empty", "null-address", "negative-address",
      "bool-address"],
 )
-@pytest.mark.slow  # a matrix of cases, each with its own linked pair
 async def test_bad_buffers_are_refused(pair: Pair, case: str) -> None:
     addrs, exc = _bad_buffers(case)
     cm = pair.decoder.cache_manager

@@ -21,8 +21,7 @@ from aiodatadist import (
     TransferWithCacheKeyConfig,
 )
 from aiodatadist.testing import inproc_pair, make_blocks_cache
-
-from ._util import Tracker, blocks_of, instrument, snapshot
+from tests.engine._util import Tracker, blocks_of, instrument, snapshot
 
 pytestmark = pytest.mark.asyncio
 

@@ -27,8 +27,7 @@ from aiodatadist import (
     TransferWithCacheKeyConfig,
 )
 from aiodatadist.testing import Pair, cluster_info, make_blocks_cache
-
-from ._util import Tracker, blocks_of, executor_of, instrument, link_of, wait_until
+from tests.engine._util import Tracker, blocks_of, executor_of, instrument, link_of, wait_until
 
 pytestmark = pytest.mark.asyncio
 

@@ -12,8 +12,7 @@ import pytest
 
 from aiodatadist import BlocksCacheKey, LLMDataDist, LLMRole, LLMStatusCode
 from aiodatadist.testing import Pair, cluster_info
-
-from ._util import (
+from tests.engine._util import (
     ALL_BIG,
     BOUND_S,
     Tracker,

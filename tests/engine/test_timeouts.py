@@ -16,8 +16,7 @@ import pytest
 
 from aiodatadist import LLMException, LLMStatusCode, LLMTimeoutError
 from aiodatadist.testing import Pair, inproc_pair
-
-from ._util import (
+from tests.engine._util import (
     ALL_BIG,
     BOUND_S,
     SLOW_OPTIONS,

@@ -31,8 +31,7 @@ from aiodatadist import (
     TransferWithCacheKeyConfig,
 )
 from aiodatadist.testing import Pair, cluster_info, inproc_pair, make_blocks_cache
-
-from ._util import (
+from tests.engine._util import (
     BOUND_S,
     SLOW_OPTIONS,
     big_cache,
@@ -483,7 +482,6 @@ BAD_CASES = [
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
-@pytest.mark.slow  # a matrix of cases, each with its own linked pair
 async def test_bad_arguments_raise_before_anything_starts(pair: Pair, case: str) -> None:
     src, dst = _setup(pair)
     desc = CacheDesc(2 * LAYERS, [2, 1024], DataType.DT_FLOAT16, Placement.HOST)

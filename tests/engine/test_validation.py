@@ -31,8 +31,7 @@ from aiodatadist import (
     Placement,
 )
 from aiodatadist.testing import FilledCache, Pair, make_blocks_cache
-
-from ._util import Tracker, instrument, snapshot
+from tests.engine._util import Tracker, instrument, snapshot
 
 pytestmark = pytest.mark.asyncio
 
@@ -227,7 +226,6 @@ ALL = TYPE_CASES + VALUE_CASES + LOOKUP_CASES
 
 
 @pytest.mark.parametrize(("call", "exc", "status"), [c[1:] for c in ALL], ids=[c[0] for c in ALL])
-@pytest.mark.slow  # 79 cases, each with its own linked pair
 async def test_rejected_before_anything_moves(
     ctx: Ctx, call: Callable[[Ctx], Any], exc: type[BaseException], status: LLMStatusCode | None
 ) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from _helpers import Worker
 
 from aiodatadist import _native
+from tests.native._helpers import Worker
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -8,7 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _helpers import (
+
+from aiodatadist import _native as n
+from aiodatadist._native import Status
+from tests.native._helpers import (
     Background,
     Worker,
     abort_after,
@@ -22,9 +25,6 @@ from _helpers import (
     raises,
     reference_blocks,
 )
-
-from aiodatadist import _native as n
-from aiodatadist._native import Status
 
 CHUNK = n.CHUNK_BYTES
 BB = 1024

@@ -7,7 +7,10 @@ import time
 
 import numpy as np
 import pytest
-from _helpers import (
+
+from aiodatadist import _native as n
+from aiodatadist._native import Status
+from tests.native._helpers import (
     Background,
     abort_after,
     bases,
@@ -19,9 +22,6 @@ from _helpers import (
     reference_blocks,
     reference_segments,
 )
-
-from aiodatadist import _native as n
-from aiodatadist._native import Status
 
 CHUNK = n.CHUNK_BYTES
 BIG = 256 << 20  # bytes per side for the large copies (abort, GIL, threads)

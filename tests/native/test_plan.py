@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _helpers import expected_block_segments, layer_range_args, raises
 
 from aiodatadist import _native as n
 from aiodatadist._native import NativeError, Status
+from tests.native._helpers import expected_block_segments, layer_range_args, raises
 
 BB = 256  # block bytes used by most plans here
 

@@ -20,7 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _helpers import (
+
+from aiodatadist import _native as n
+from aiodatadist._native import Status
+from tests.native._helpers import (
     Background,
     Worker,
     differing,
@@ -32,9 +35,6 @@ from _helpers import (
     reference_blocks,
     unique_shm_name,
 )
-
-from aiodatadist import _native as n
-from aiodatadist._native import Status
 
 REVOKED = 1 << 63
 

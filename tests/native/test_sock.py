@@ -16,7 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _helpers import (
+
+from aiodatadist import _native as n
+from aiodatadist._native import Status
+from tests.native._helpers import (
     Background,
     Worker,
     abort_after,
@@ -31,9 +34,6 @@ from _helpers import (
     reference_blocks,
     tcp_listener,
 )
-
-from aiodatadist import _native as n
-from aiodatadist._native import Status
 
 CHUNK = n.CHUNK_BYTES
 BB = 2048

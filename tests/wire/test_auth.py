@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from test_wire import raw_frame, registered_cache, sample_frames
 
 from aiodatadist import _wire as w
 from aiodatadist._wire import MsgType, WireError
+from tests.wire.test_wire import raw_frame, registered_cache, sample_frames
 
 SECRET = b"correct horse battery staple"
 CLIENT_ID = 1001

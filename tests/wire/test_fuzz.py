@@ -13,10 +13,10 @@ import random
 from typing import Any
 
 import pytest
-from test_wire import feed, raw_frame, sample_frames, samples
 
 from aiodatadist import _wire as w
 from aiodatadist._wire import MsgType, WireError
+from tests.wire.test_wire import feed, raw_frame, sample_frames, samples
 
 SEED = 20260530
 

@@ -5,15 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from xproc_harness import LIVE_PIDS, leftover_segments
+from tests.xproc.xproc_harness import LIVE_PIDS, leftover_segments
 
 
 @pytest.fixture(autouse=True)

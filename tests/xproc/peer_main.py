@@ -42,13 +42,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
 from typing import Any
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import xproc_common as xc
 
 from aiodatadist import (
     BlocksCacheKey,
@@ -60,6 +55,7 @@ from aiodatadist import (
     TransferWithCacheKeyConfig,
 )
 from aiodatadist.testing import PeerCommands, cluster_info
+from tests.xproc import xproc_common as xc
 
 
 class Always(LayerSynchronizer):

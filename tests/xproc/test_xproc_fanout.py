@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import xproc_common as xc
-from xproc_harness import Harness, assert_same, decoder_options, link, pull_and_check
 
 from aiodatadist import BlocksCacheKey, LLMStatusCode
 from aiodatadist.testing import cluster_info
+from tests.xproc import xproc_common as xc
+from tests.xproc.xproc_harness import Harness, assert_same, decoder_options, link, pull_and_check
 
 pytestmark = pytest.mark.slow  # peer processes on every data path: the full run's
 

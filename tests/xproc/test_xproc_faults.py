@@ -9,15 +9,6 @@ import time
 
 import numpy as np
 import pytest
-import xproc_common as xc
-from xproc_harness import (
-    Harness,
-    decoder_options,
-    link,
-    pull_and_check,
-    stop_when_bytes_land,
-    until,
-)
 
 from aiodatadist import (
     BlocksCacheKey,
@@ -28,6 +19,15 @@ from aiodatadist import (
     TransferWithCacheKeyConfig,
 )
 from aiodatadist.testing import cluster_info
+from tests.xproc import xproc_common as xc
+from tests.xproc.xproc_harness import (
+    Harness,
+    decoder_options,
+    link,
+    pull_and_check,
+    stop_when_bytes_land,
+    until,
+)
 
 pytestmark = pytest.mark.slow  # peer processes on every data path: the full run's
 

@@ -30,15 +30,6 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-import xproc_common as xc
-from xproc_harness import (
-    Harness,
-    PeerProc,
-    decoder_options,
-    leftover_segments,
-    link,
-    until,
-)
 
 from aiodatadist import (
     BlocksCacheKey,
@@ -49,6 +40,15 @@ from aiodatadist import (
     LLMStatusCode,
     TransferWithCacheKeyConfig,
     _native,
+)
+from tests.xproc import xproc_common as xc
+from tests.xproc.xproc_harness import (
+    Harness,
+    PeerProc,
+    decoder_options,
+    leftover_segments,
+    link,
+    until,
 )
 
 pytestmark = pytest.mark.slow  # peer processes on every data path: the full run's

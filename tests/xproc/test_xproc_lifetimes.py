@@ -19,15 +19,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import xproc_common as xc
-from xproc_harness import (
-    Harness,
-    RawClient,
-    decoder_options,
-    link,
-    stop_when_bytes_land,
-    until,
-)
 
 from aiodatadist import BlocksCacheKey, LLMException, LLMRole, LLMStatusCode, _native
 from aiodatadist._caches import CacheEntry, CacheTable
@@ -35,6 +26,15 @@ from aiodatadist._fdchannel import FdChannel
 from aiodatadist._leases import LeasePage
 from aiodatadist.transports.base import Call
 from aiodatadist.transports.shm import ShmPath
+from tests.xproc import xproc_common as xc
+from tests.xproc.xproc_harness import (
+    Harness,
+    RawClient,
+    decoder_options,
+    link,
+    stop_when_bytes_land,
+    until,
+)
 
 PROMPT, DECODER, RAW = 41, 42, 43
 SEED = 17

@@ -20,8 +20,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-import xproc_common as xc
-from xproc_harness import Harness
+
+from tests.xproc import xproc_common as xc
+from tests.xproc.xproc_harness import Harness
 
 PROMPT_IP, DECODER_IP = "10.200.7.1", "10.200.7.2"
 PROMPT, DECODER = 61, 62

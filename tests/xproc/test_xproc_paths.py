@@ -14,16 +14,6 @@ import threading
 from typing import Any
 
 import pytest
-import xproc_common as xc
-from xproc_harness import (
-    Harness,
-    assert_same,
-    decoder_options,
-    link,
-    path_of,
-    pull_and_check,
-    until,
-)
 
 from aiodatadist import (
     BlocksCacheKey,
@@ -31,6 +21,16 @@ from aiodatadist import (
     CacheKeyByIdAndIndex,
     LLMException,
     LLMStatusCode,
+)
+from tests.xproc import xproc_common as xc
+from tests.xproc.xproc_harness import (
+    Harness,
+    assert_same,
+    decoder_options,
+    link,
+    path_of,
+    pull_and_check,
+    until,
 )
 
 pytestmark = pytest.mark.slow  # peer processes on every data path: the full run's

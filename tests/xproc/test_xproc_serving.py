@@ -14,8 +14,11 @@ import socket
 
 import numpy as np
 import pytest
-import xproc_common as xc
-from xproc_harness import (
+
+from aiodatadist import LLMDataDist, LLMRole, LLMStatusCode, _wire
+from aiodatadist.testing import cluster_info
+from tests.xproc import xproc_common as xc
+from tests.xproc.xproc_harness import (
     Harness,
     RawClient,
     assert_same,
@@ -25,9 +28,6 @@ from xproc_harness import (
     pull_and_check,
     recv_payload,
 )
-
-from aiodatadist import LLMDataDist, LLMRole, LLMStatusCode, _wire
-from aiodatadist.testing import cluster_info
 
 pytestmark = pytest.mark.slow  # peer processes on every data path: the full run's
 

@@ -14,20 +14,20 @@ import math
 
 import numpy as np
 import pytest
-import xproc_common as xc
-from xproc_harness import (
-    Harness,
-    RawClient,
-    decoder_options,
-    link,
-    pull_and_check,
-)
 
 from aiodatadist import LLMRole, LLMStatusCode, _native, _wire
 from aiodatadist.config import DataPath
 from aiodatadist.testing import cluster_info
 from aiodatadist.transports.base import Call
 from aiodatadist.transports.tcp import deadline_ms
+from tests.xproc import xproc_common as xc
+from tests.xproc.xproc_harness import (
+    Harness,
+    RawClient,
+    decoder_options,
+    link,
+    pull_and_check,
+)
 
 pytestmark = pytest.mark.slow  # peer processes on every data path: the full run's
 

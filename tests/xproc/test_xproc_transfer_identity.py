@@ -15,8 +15,13 @@ import asyncio
 
 import numpy as np
 import pytest
-import xproc_common as xc
-from xproc_harness import (
+
+from aiodatadist import BlocksCacheKey, LLMException, LLMRole, LLMStatusCode, _native, _wire
+from aiodatadist.config import DataPath
+from aiodatadist.testing import cluster_info
+from aiodatadist.transports.base import Call
+from tests.xproc import xproc_common as xc
+from tests.xproc.xproc_harness import (
     Harness,
     RawClient,
     decoder_options,
@@ -26,11 +31,6 @@ from xproc_harness import (
     recv_payload,
     until,
 )
-
-from aiodatadist import BlocksCacheKey, LLMException, LLMRole, LLMStatusCode, _native, _wire
-from aiodatadist.config import DataPath
-from aiodatadist.testing import cluster_info
-from aiodatadist.transports.base import Call
 
 pytestmark = pytest.mark.slow  # peer processes on every data path: the full run's
 

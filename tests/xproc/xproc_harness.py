@@ -20,13 +20,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xproc_common as xc
 
 from aiodatadist import BlocksCacheKey, LLMDataDist, LLMRole, _native, _wire
 from aiodatadist.testing import PeerProcess, cluster_info
+from tests.xproc import xproc_common as xc
 
 HERE = Path(__file__).resolve().parent
 PEER_MAIN = HERE / "peer_main.py"
+# The peer's plugin imports ``tests.xproc``: the repository root goes on its PYTHONPATH
+# (behind the library's own location), wherever aiodatadist itself is installed.
+CHILD_PATH = {
+    "PYTHONPATH": os.pathsep.join(
+        p for p in (str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")) if p
+    )
+}
 START_TIMEOUT = 30.0
 REPLY_TIMEOUT = 20.0
 STOP_TIMEOUT = 5.0
@@ -117,7 +124,7 @@ class PeerProc:
             role=LLMRole.PROMPT if role == "prompt" else LLMRole.DECODER,
             host=listen.rpartition(":")[0] if listen else None,
             options=opts,
-            env=env,
+            env={**CHILD_PATH, **(env or {})},
             start_timeout=START_TIMEOUT,
             serve_cache=False,
             plugin=str(PEER_MAIN),
