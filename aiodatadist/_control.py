@@ -19,6 +19,7 @@ import contextvars
 import itertools
 import logging
 import os
+import resource
 import socket
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -48,9 +49,9 @@ UNLINK_SEND_TIMEOUT = 1.0
 """How long an unlink waits for the peer to take its UNLINK before closing anyway."""
 CANCEL_TIMEOUT = 2.0
 """How long a requester tries to send a CANCEL (in the background) before closing the link."""
-MAX_HANDSHAKES = 64
-"""Accepted connections that have not sent their first message yet, at once; past it the
-oldest is closed."""
+MAX_HANDSHAKES = max(64, min(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 16))
+"""Silent accepted connections held at once (a 16th of the fd limit, so that a burst does not
+crowd out an honest client); past it the oldest silent one is closed."""
 _req_ids = itertools.count(1)
 
 
@@ -459,12 +460,10 @@ class ControlServer:
             self._handshakes.discard(task)
 
     def _evict(self) -> None:
-        """Closes the oldest connection that has sent nothing (closing it ends its read of
-        the first message); the oldest of all when every one has sent something.
-
-        A flood of connections is accepted many per loop iteration, before any of their
-        handshakes has run: an honest peer whose first message is already here (in the
-        kernel's buffer or the reader's) but not yet read must not be taken for silent.
+        """Closes the oldest connection that has sent nothing (ending its read of the first
+        message); the oldest of all when every one has sent something. A flood is accepted
+        many per loop pass, before any handshake runs: an honest peer whose first message
+        is already here (in the kernel's buffer or the reader's) is not silent.
         """
         victim = next(
             (t for t, (r, w) in self._unwelcomed.items() if not has_spoken(r, w)),

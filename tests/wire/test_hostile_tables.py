@@ -31,9 +31,9 @@ from aiodatadist import (
     LLMRole,
     LLMStatusCode,
     Placement,
+    _control,
     _wire,
 )
-from aiodatadist._control import MAX_HANDSHAKES
 from aiodatadist.testing import cluster_info
 
 _ATTACK = r"""
@@ -99,8 +99,19 @@ def test_a_table_cannot_stretch_a_mapped_segment(loop: str) -> None:
 # ------------------------------------------------------------------ idle connections
 
 
+CAP = 48
+"""The silent-connection cap for these tests: the real one is a 16th of the fd limit (up to
+1024), more connections than a test should open (and than the accept backlog holds)."""
+
+
+@pytest.fixture
+def small_cap(monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr(_control, "MAX_HANDSHAKES", CAP)
+    return CAP
+
+
 @pytest.mark.asyncio
-async def test_idle_connections_to_the_port_are_bounded() -> None:
+async def test_idle_connections_to_the_port_are_bounded(small_cap: int) -> None:
     """Anyone who reaches the port can open connections and say nothing (no secret is
     needed for that): at most MAX_HANDSHAKES silent ones are held at once, the oldest are
     closed as newer ones come, so the prompt's fds are not used up; a decoder still links and
@@ -116,7 +127,7 @@ async def test_idle_connections_to_the_port_are_bounded() -> None:
         keep = [np.full((2, 4096), 0x2B, np.int8)]
         prompt.cache_manager.register_blocks_cache(desc, keep, BlocksCacheKey(941, 0))
         host, port = prompt.listen_address or ("", 0)
-        n = MAX_HANDSHAKES * 3
+        n = small_cap * 3
         for _ in range(n):
             s = socket.socket()
             s.setblocking(False)
@@ -124,12 +135,12 @@ async def test_idle_connections_to_the_port_are_bounded() -> None:
             idle.append(s)
         server = prompt._server
         assert server is not None
-        oldest = idle[: n - MAX_HANDSHAKES]
+        oldest = idle[: n - small_cap]
         ended: set[int] = set()
         end = loop.time() + 10
         while len(ended) < len(oldest):
             assert loop.time() < end, f"{len(oldest) - len(ended)} idle connections still open"
-            assert len(server._unwelcomed) <= MAX_HANDSHAKES
+            assert len(server._unwelcomed) <= small_cap
             for i, s in enumerate(oldest):
                 if i not in ended:
                     try:
@@ -146,7 +157,7 @@ async def test_idle_connections_to_the_port_are_bounded() -> None:
         dst = decoder.cache_manager.register_blocks_cache(desc, arrays)
         await decoder.cache_manager.pull_blocks(BlocksCacheKey(941, 0), dst, [1], [0], timeout=5)
         assert (arrays[0][0].view(np.uint8) == 0x2B).all()
-        assert len(server._unwelcomed) <= MAX_HANDSHAKES
+        assert len(server._unwelcomed) <= small_cap
     finally:
         for s in idle:
             s.close()
@@ -155,7 +166,7 @@ async def test_idle_connections_to_the_port_are_bounded() -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_peer_that_spoke_is_not_evicted_by_a_flood_behind_it() -> None:
+async def test_a_peer_that_spoke_is_not_evicted_by_a_flood_behind_it(small_cap: int) -> None:
     """A flood of silent connections lands right behind an honest client's HELLO, all
     accepted before any handshake runs: past MAX_HANDSHAKES the server closes silent ones,
     never the client whose first message is already here (it gets its CHALLENGE)."""
@@ -173,7 +184,7 @@ async def test_a_peer_that_spoke_is_not_evicted_by_a_flood_behind_it() -> None:
             "pid": 1, "role": int(LLMRole.DECODER), "nonce": _wire.new_nonce(), "want_auth": False,
         }  # fmt: skip
         honest.sendall(_wire.encode(_wire.MsgType.HELLO, hello))
-        for _ in range(MAX_HANDSHAKES + 16):  # under asyncio's default backlog of 100
+        for _ in range(small_cap + 16):  # under asyncio's default backlog of 100
             s = socket.socket()
             s.connect((host, port))
             flood.append(s)
@@ -183,7 +194,7 @@ async def test_a_peer_that_spoke_is_not_evicted_by_a_flood_behind_it() -> None:
             msg = await _wire.read_message(reader, timeout=5)
             assert msg.type == _wire.MsgType.CHALLENGE, msg
             server = prompt._server
-            assert server is not None and len(server._unwelcomed) <= MAX_HANDSHAKES
+            assert server is not None and len(server._unwelcomed) <= small_cap
         finally:
             writer.close()
     finally:
@@ -239,3 +250,12 @@ def test_a_peer_cannot_make_us_hold_more_fds_than_a_share_of_our_limit() -> None
     state, extra = proc.stdout.split()
     assert state == "closed", proc.stdout
     assert int(extra) <= 0, f"{extra} fds left open by the closed channel"
+
+
+def test_the_silent_connection_cap_is_a_share_of_the_fd_limit() -> None:
+    """A 16th of the fd limit, 64..1024: a burst of a few hundred silent connections (a
+    siege) must not crowd out an honest client on a machine that allows thousands of fds."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert _control.MAX_HANDSHAKES == max(64, min(1024, soft // 16))
