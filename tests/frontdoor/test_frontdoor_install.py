@@ -146,7 +146,7 @@ def test_pytest_plugin_off_does_not_break_unrelated_tests(tmp_path: Path) -> Non
     env = {**os.environ, "PYTHONPATH": SITE}
     proc = run(
         sys.executable, "-S", "-m", "pytest", "-p", "no:cacheprovider", "-rE",
-        "test_user.py", cwd=src, env=env, timeout=120,
+        "test_user.py", cwd=src, env=env, timeout=50,
     )  # fmt: skip
     assert "1 passed, 1 error" in proc.stdout, proc.stdout + proc.stderr
     assert "aiodatadist: pytest plugin off" in proc.stdout
@@ -188,13 +188,13 @@ def test_children_import_their_parents_installation(
     # -P: the parent itself imports the installed copy (as the console script does).
     demo = run(
         py, "-P", "-m", "aiodatadist", "demo", "--small", "--paths", "tcp,shm",
-        "--rounds", "1", "--no-progress", cwd=src, env=env, timeout=120,
+        "--rounds", "1", "--no-progress", cwd=src, env=env, timeout=50,
     )  # fmt: skip
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert "verified: every pulled byte matches the prompt's on tcp, shm" in demo.stdout
     doctor = run(
         py, "-P", "-m", "aiodatadist", "doctor", "--no-pull", "--json", "-",
-        cwd=src, env=env, timeout=120,
+        cwd=src, env=env, timeout=50,
     )  # fmt: skip
     doc = json.loads(doctor.stdout[doctor.stdout.index("{") :])
     assert doc["paths"]["shm"]["works"] is True, doc["paths"]["shm"]
