@@ -33,15 +33,10 @@ import numpy as np
 
 from aiodatadist import LLMException, LLMRole, LLMStatusCode
 from aiodatadist.testing import PeerControl, PeerProcess, pattern_blocks
+from tests._child_env import CHILD_PATH
 
 HERE = Path(__file__).resolve().parent
 ACTOR = HERE / "actor.py"
-# The actor imports ``tests.adversity``: the repository root goes on its PYTHONPATH.
-CHILD_PATH = {
-    "PYTHONPATH": os.pathsep.join(
-        p for p in (str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")) if p
-    )
-}
 START_TIMEOUT = 30.0
 REPLY_TIMEOUT = 20.0
 

@@ -23,17 +23,11 @@ import numpy as np
 
 from aiodatadist import BlocksCacheKey, LLMDataDist, LLMRole, _native, _wire
 from aiodatadist.testing import PeerProcess, cluster_info
+from tests._child_env import CHILD_PATH
 from tests.xproc import xproc_common as xc
 
 HERE = Path(__file__).resolve().parent
 PEER_MAIN = HERE / "peer_main.py"
-# The peer's plugin imports ``tests.xproc``: the repository root goes on its PYTHONPATH
-# (behind the library's own location), wherever aiodatadist itself is installed.
-CHILD_PATH = {
-    "PYTHONPATH": os.pathsep.join(
-        p for p in (str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")) if p
-    )
-}
 START_TIMEOUT = 30.0
 REPLY_TIMEOUT = 20.0
 STOP_TIMEOUT = 5.0
