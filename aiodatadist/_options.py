@@ -8,6 +8,7 @@ is public through :mod:`aiodatadist.config`.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import ipaddress
 import json
@@ -30,6 +31,7 @@ from .errors import LLMParamError
 
 __all__ = [
     "DATA_PATHS",
+    "KNOWN_OPTION_KEYS",
     "SECRET_ENV",
     "DataPath",
     "Options",
@@ -64,6 +66,12 @@ OPT_MEMORY_UTILIZATION = "llm.MemoryUtilization"
 OPT_CLUSTER_INFO = "llm.ClusterInfo"
 OPT_OUTPUT_MAX_SIZE = "llm.OutputMaxSize"
 OPT_DEPLOY_RES_PATH = "llm.deployResPath"
+OPT_DEVICE_ID_CPP = "llm.DeviceId"  # the C++ API's device key; accepted, not acted on
+# Upstream v1 CacheDesc keys (model options); accepted, not acted on.
+OPT_REF_INPUT_SHAPES = "llm.RefInputShapes"
+OPT_REF_INPUT_DTYPES = "llm.RefInputDtypes"
+OPT_REF_INPUT_SEQ_LEN_DIM_INDEX = "llm.RefInputSeqLenDimIndex"
+OPT_KV_TENSOR_FORMAT = "llm.kvTensorFormat"
 
 # This library's option keys.
 OPT_DATA_PATH = "aiodatadist.DataPath"
@@ -74,6 +82,18 @@ OPT_MOVER_THREADS = "aiodatadist.MoverThreads"
 OPT_FINALIZE_TIMEOUT = "aiodatadist.FinalizeTimeout"
 OPT_SERVE_THREADS = "aiodatadist.ServeThreads"
 OPT_SERVE_TIMEOUT = "aiodatadist.ServeTimeout"
+
+CHECKED_PREFIXES = ("llm.", "aiodatadist.")
+"""Key prefixes whose keys must be known (a typo fails at init); other keys pass through."""
+
+# Every OPT_* constant above: a key added there is known without a second list to update.
+KNOWN_OPTION_KEYS = frozenset(
+    value for name, value in dict(globals()).items() if name.startswith("OPT_")
+)
+"""Every ``llm.*`` / ``aiodatadist.*`` (and ``ge.*``) key :func:`parse_options` accepts.
+
+Upstream keys the engine does not act on are in it too, so a real client's options parse.
+"""
 
 SECRET_ENV = "AIODATADIST_SECRET"
 """Environment variable holding the shared secret when ``shared_secret`` is not set."""
@@ -264,6 +284,19 @@ def _opt_device_ids(key: str, text: str) -> list[int]:
     return [_opt_int(key, part, 0, INT32_MAX) for part in text.split(";")] if text else []
 
 
+def _check_known_keys(opts: Mapping[str, str]) -> None:
+    # Keys are case-sensitive (upstream has both llm.listenIpInfo and llm.ListenIpInfo); the
+    # suggestion compares the names after the prefix, ignoring case, so the shared prefix does
+    # not make every key look close and "aiodatadist.SyncKvCacheWaitTime" still finds llm.'s.
+    names = {k.partition(".")[2].lower(): k for k in sorted(KNOWN_OPTION_KEYS)}
+    for key in opts:
+        if not key.startswith(CHECKED_PREFIXES) or key in KNOWN_OPTION_KEYS:
+            continue
+        close = difflib.get_close_matches(key.partition(".")[2].lower(), list(names), n=1)
+        hint = f"; did you mean {names[close[0]]}?" if close else ""
+        raise_param_error(f"unknown option key {key!r}{hint}")
+
+
 def _check_other_keys(opts: Mapping[str, str]) -> None:
     # Keys the engine does not act on, checked so a typo in a value fails at init.
     for key in (OPT_MEM_POOL_CONFIG, OPT_HOST_MEM_POOL_CONFIG):
@@ -321,8 +354,10 @@ def parse_options(
 ) -> Options:
     """Validate an options dict and read the settings the engine uses.
 
-    Every key this module knows has its value checked; unknown keys are kept
-    in :attr:`Options.raw` and otherwise ignored.
+    Every key this module knows has its value checked.  An ``llm.*`` or
+    ``aiodatadist.*`` key not in :data:`KNOWN_OPTION_KEYS` is refused (the
+    message suggests the closest known key); other keys (``ge.*``, a vendor's)
+    are kept in :attr:`Options.raw` and otherwise ignored.
 
     Args:
         options: The dict given to ``LLMDataDist.init`` (``str`` to ``str``).
@@ -333,8 +368,8 @@ def parse_options(
 
     Raises:
         TypeError: ``options`` is not a mapping of ``str`` to ``str``.
-        LLMParamError: a known key has a bad value; the message names the key
-            and the value.
+        LLMParamError: a known key has a bad value (the message names the key
+            and the value), or an ``llm.*`` / ``aiodatadist.*`` key is unknown.
     """
     if not isinstance(options, Mapping):
         raise TypeError(f"options must be a mapping of str to str, got {type(options).__name__}")
@@ -342,6 +377,7 @@ def parse_options(
         check_type("options key", k, str)
         check_type(f"options[{k!r}]", v, str)
     opts = dict(options)
+    _check_known_keys(opts)
     _check_other_keys(opts)
 
     device_ids = _opt_device_ids(OPT_DEVICE_ID, opts.get(OPT_DEVICE_ID, ""))

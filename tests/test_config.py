@@ -524,6 +524,18 @@ def test_parse_options_types() -> None:
         parse_options({1: "x"})  # type: ignore[dict-item]
 
 
-def test_unknown_keys_are_kept() -> None:
-    opts = parse_options({"vendor.Thing": "?", "aiodatadist.Future": "1"}, environ={})
-    assert opts.raw == {"vendor.Thing": "?", "aiodatadist.Future": "1"}
+def test_unknown_keys_outside_llm_and_aiodatadist_are_kept() -> None:
+    # ge.* and a vendor's keys pass through; unknown llm.*/aiodatadist.* keys are refused
+    # (tests/test_options_keys.py).
+    opts = parse_options({"vendor.Thing": "?", "ge.graphRunMode": "1"}, environ={})
+    assert opts.raw == {"vendor.Thing": "?", "ge.graphRunMode": "1"}
+
+
+def test_known_option_keys_are_exported_with_every_opt_constant() -> None:
+    import aiodatadist.config as config
+
+    consts = {getattr(config, n) for n in config.__all__ if n.startswith("OPT_")}
+    assert consts and consts <= config.KNOWN_OPTION_KEYS
+    assert all(k.startswith(("llm.", "aiodatadist.", "ge.")) for k in config.KNOWN_OPTION_KEYS)
+    with pytest.raises(LLMParamError, match=r"did you mean aiodatadist\.ExecutorThreads\?"):
+        parse_options({"aiodatadist.ExecutorThread": "2"}, environ={})
