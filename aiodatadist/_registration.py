@@ -24,12 +24,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _native
+from ._buffers import TensorMemory, tensor_memory
 from ._caches import CacheEntry, CacheTable
 from ._leases import LeaseBook
 from ._plan import row_key
 from ._validate import INVALID_ID, check_int_list, check_type, require
 from .errors import LLMStatusCode, failure, from_native
-from .types import CacheDesc, CacheKey, KvCache
+from .types import CacheDesc, CacheKey, KvCache, Placement
 
 __all__ = ["CacheRegistry", "buffers_to_addrs"]
 
@@ -45,10 +46,15 @@ _TENSOR_ALIGN = 4096
 def buffers_to_addrs(desc: CacheDesc, addrs: object) -> tuple[list[int], list[Any] | None]:
     """``addrs`` as tensor addresses, and the buffers to keep alive (None for ints).
 
+    Each entry is an int address, or a tensor object read by
+    :func:`~aiodatadist._buffers.tensor_memory` (buffer protocol, array interfaces,
+    DLPack, ``data_ptr()``). Every entry is checked before anything is registered.
+
     Raises:
-        TypeError: not a list, or a mix of ints and buffers, or not buffers.
-        LLMParamError: a count, null address, or a buffer that is not contiguous,
-            writable and large enough.
+        TypeError: not a list, or a mix of ints and objects, or an object that is not
+            a tensor this can read.
+        LLMParamError: a count, null address, device memory, or a tensor that is not
+            contiguous, writable and large enough.
     """
     check_type("addrs", addrs, (list, tuple))
     assert isinstance(addrs, (list, tuple))
@@ -67,26 +73,33 @@ def buffers_to_addrs(desc: CacheDesc, addrs: object) -> tuple[list[int], list[An
     for i, obj in enumerate(addrs):
         if isinstance(obj, int) and not isinstance(obj, bool):
             raise TypeError(
-                "addrs must be all int addresses or all buffer objects, "
+                "addrs must be all int addresses or all tensor objects, "
                 f"got a mix (addrs[{i}] is int)"
             )
-        try:
-            view = memoryview(obj)
-        except TypeError:
-            raise TypeError(
-                f"addrs[{i}] must be an int address or a buffer (numpy array, bytearray, ...), "
-                f"got {type(obj).__name__}"
-            ) from None
-        require(view.c_contiguous, f"addrs[{i}] is not C-contiguous")
-        require(not view.readonly, f"addrs[{i}] is read-only; a cache must be writable")
+        mem = tensor_memory(obj, f"addrs[{i}]")
+        where = f"addrs[{i}] ({mem.source})"
         require(
-            view.nbytes >= desc.size,
-            f"addrs[{i}] holds {view.nbytes} bytes, cache_desc needs {desc.size} per tensor",
+            mem.placement is not Placement.DEVICE,
+            f"{where}: device memory ({mem.device}) needs a fabric data path "
+            "(NIXL/Mooncake); the host paths cannot move it",
         )
-        flat = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        result.append(ctypes.addressof(ctypes.c_char.from_buffer(flat)))
-        keep.append(flat)
+        require(mem.contiguous, f"{where} is not C-contiguous")
+        require(mem.writable is not False, f"{where} is read-only; a cache must be writable")
+        require(
+            mem.nbytes >= desc.size,
+            f"{where} holds {mem.nbytes} bytes, cache_desc needs {desc.size} per tensor",
+        )
+        require(mem.addr != 0, f"{where} is at a null address")
+        result.append(mem.addr)
+        keep.append(mem.keep if mem.source == "buffer" else _host_view(mem))
     return result, keep
+
+
+def _host_view(mem: TensorMemory) -> Any:
+    # A buffer over the tensor's bytes (what tensors() views) that keeps the object alive.
+    view = (ctypes.c_ubyte * mem.nbytes).from_address(mem.addr)
+    view.owner = mem.keep  # type: ignore[attr-defined]
+    return view
 
 
 class CacheRegistry:
