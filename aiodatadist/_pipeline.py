@@ -181,7 +181,8 @@ def check_push_blocks(
     dst_block_indices: object,
     dst_block_memory_size: object,
 ) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
-    """``transfer_cache_async``'s block lists: both (a blocks source) or neither; and
+    """``transfer_cache_async``'s block lists: both (a blocks source) or neither (a
+    blocks source then sends every block ``i`` to block ``i``); and
     ``dst_block_memory_size``, which upstream needs and which must match the source."""
     blocks = _check_block_lists(local, src_block_indices, dst_block_indices)
     if dst_block_memory_size is not None:
@@ -198,10 +199,11 @@ def _check_block_lists(
     local: CacheEntry, src_block_indices: object, dst_block_indices: object
 ) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
     if src_block_indices is None and dst_block_indices is None:
-        require(
-            not local.is_blocks,
-            "a blocks src_cache needs src_block_indices and dst_block_indices",
-        )
+        if local.is_blocks:
+            # Upstream sends empty block lists: the whole layer, block i -> block i (the
+            # destination's block count is checked against the peer's table per layer).
+            every = tuple(range(local.num_blocks))
+            return every, every
         return None, None
     require(
         src_block_indices is not None,

@@ -29,11 +29,14 @@ from .types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 
 __all__ = [
     "CopyRequest",
+    "LocalCopyRequest",
     "PullRequest",
     "PushRequest",
     "RemoteKey",
     "Request",
+    "Segment",
     "copy_plan",
+    "local_copy_plan",
     "plan",
     "pull_blocks_plan",
     "pull_row_plan",
@@ -92,7 +95,8 @@ class PullRequest(NamedTuple):
 
 
 class PushRequest(NamedTuple):
-    """One layer of one ``transfer_cache_async`` config (K and V: two tensors).
+    """One layer of one ``transfer_cache_async`` config (K and V: two tensors), or one
+    ``push_blocks`` / ``push_cache`` call (every selected layer: ``src_layers`` set).
 
     Attributes:
         local: the source cache.
@@ -104,18 +108,23 @@ class PushRequest(NamedTuple):
         dst_layer: the destination layer (with ``key``).
         dst_addrs: ``TransferConfig``: this layer's K and V addresses in the peer.
         src_blocks, dst_blocks: block ids (a blocks source), else None.
+        src_layers, dst_layers, tensors_per_layer: ``push_blocks`` / ``push_cache``'s
+            layers (both set; ``layer`` and ``dst_layer`` unused), see :func:`tensor_span`.
     """
 
     local: CacheEntry
     cluster_id: int
     deadline: float
-    layer: int
+    layer: int = 0
     src_row: int = 0
     key: BlocksCacheKey | CacheKeyByIdAndIndex | None = None
     dst_layer: int = 0
     dst_addrs: tuple[int, ...] = ()
     src_blocks: tuple[int, ...] | None = None
     dst_blocks: tuple[int, ...] | None = None
+    src_layers: range | None = None
+    dst_layers: range | None = None
+    tensors_per_layer: int = 2
 
 
 class CopyRequest(NamedTuple):
@@ -124,6 +133,23 @@ class CopyRequest(NamedTuple):
     entry: CacheEntry
     pairs: tuple[tuple[int, int], ...]
     deadline: float
+
+
+class LocalCopyRequest(NamedTuple):
+    """``copy_cache`` / ``swap_blocks``: segments from ``src`` to ``dst``, both local.
+
+    Attributes:
+        src, dst: the two sides (``dst`` may be ``src``).
+        segments: (src tensor, src offset, dst tensor, dst offset, bytes).
+        deadline: loop time the call ends.
+        holds: the registered caches the two sides live in (held while bytes move).
+    """
+
+    src: CacheEntry
+    dst: CacheEntry
+    segments: tuple[Segment, ...]
+    deadline: float
+    holds: tuple[CacheEntry, ...]
 
 
 Request = PullRequest | PushRequest
@@ -313,22 +339,42 @@ def pull_row_plan(req: PullRequest, table: CacheTable) -> tuple[CacheEntry, _nat
 
 
 def push_key_plan(req: PushRequest, table: CacheTable) -> tuple[CacheEntry, _native.Plan]:
-    """``TransferWithCacheKeyConfig``: layer ``req.layer`` -> the keyed cache's ``dst_layer``.
+    """A push to a keyed cache of the peer.
 
-    Blocks (``src_blocks[i]`` -> ``dst_blocks[i]``) from a blocks source, else the
-    source row into the key's row.
+    ``TransferWithCacheKeyConfig``: layer ``req.layer`` -> the keyed cache's ``dst_layer``
+    (2 tensors); ``push_blocks`` / ``push_cache``: the layer ranges (:func:`tensor_span`).
+    Blocks (``src_blocks[i]`` -> ``dst_blocks[i]``, ids checked against the peer's
+    cache) from a blocks source, else the source row into the key's row.
     """
     local = req.local
     assert req.key is not None
     remote, row = resolve(table, req.key)
-    s0, d0 = 2 * req.layer, 2 * req.dst_layer
-    if d0 + 2 > remote.num_tensors:
-        raise _param(
-            f"dst layer {req.dst_layer} is outside the remote cache's "
-            f"{remote.num_tensors // 2} layers"
+    span = req.src_layers is not None
+    if span:
+        s0, d0, n = tensor_span(
+            local.num_tensors,
+            remote.num_tensors,
+            req.src_layers,
+            req.dst_layers,
+            req.tensors_per_layer,
         )
+    else:
+        s0, d0, n = 2 * req.layer, 2 * req.dst_layer, 2
+        if d0 + 2 > remote.num_tensors:
+            raise _param(
+                f"dst layer {req.dst_layer} is outside the remote cache's "
+                f"{remote.num_tensors // 2} layers"
+            )
     if req.src_blocks is not None:
         assert req.dst_blocks is not None
+        if isinstance(req.key, BlocksCacheKey) and not remote.is_blocks:
+            raise _param(f"remote cache {remote.cache_id} is not a blocks cache")
+        top = max(req.dst_blocks)
+        if top >= remote.num_blocks:
+            raise _param(
+                f"dst block {top} out of range for remote cache {remote.cache_id} with "
+                f"{remote.num_blocks} blocks"
+            )
         return remote, _native_plan(
             _native.Plan.blocks,
             local.geometry,
@@ -337,12 +383,23 @@ def push_key_plan(req: PushRequest, table: CacheTable) -> tuple[CacheEntry, _nat
             req.dst_blocks,
             s0,
             d0,
-            2,
+            n,
         )
-    nbytes = min(local.block_bytes, remote.block_bytes)
+    if span:
+        # push_cache: the whole source row; it must fit the remote row.
+        if remote.is_blocks:
+            raise _param(f"remote cache {remote.cache_id} is a blocks cache (use push_blocks)")
+        nbytes = local.block_bytes
+        if nbytes > remote.block_bytes:
+            raise _param(
+                f"the source row of {nbytes} bytes exceeds the remote row of "
+                f"{remote.block_bytes} bytes"
+            )
+    else:
+        nbytes = min(local.block_bytes, remote.block_bytes)
     rows = [
         (s0 + k, req.src_row * local.block_bytes, d0 + k, row * remote.block_bytes, nbytes)
-        for k in range(2)
+        for k in range(n)
     ]
     return remote, _from_segments(local, remote, rows)
 
@@ -388,3 +445,8 @@ def copy_plan(req: CopyRequest) -> _native.Plan:
     bb = entry.block_bytes
     rows = [(t, s * bb, t, d * bb, bb) for t in range(entry.num_tensors) for s, d in req.pairs]
     return _from_segments(entry, entry, rows)
+
+
+def local_copy_plan(req: LocalCopyRequest) -> _native.Plan:
+    """``copy_cache`` / ``swap_blocks``: the request's segments, checked against both sides."""
+    return _from_segments(req.src, req.dst, req.segments)

@@ -24,10 +24,19 @@ from typing import TYPE_CHECKING
 
 from . import _native
 from ._leases import LeaseStale
-from ._plan import CopyRequest, PushRequest, Request, copy_plan, plan
+from ._plan import (
+    CopyRequest,
+    LocalCopyRequest,
+    PushRequest,
+    Request,
+    copy_plan,
+    local_copy_plan,
+    plan,
+)
 from .errors import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
+    from ._caches import CacheEntry
     from ._runtime import Runtime
     from .links import Link
 
@@ -85,24 +94,34 @@ async def run(rt: Runtime, link: Link, request: Request) -> None:
             local.release()
 
 
-async def copy(rt: Runtime, request: CopyRequest) -> None:
-    """``copy_blocks``: a local copy within one cache, on the executor, under the deadline.
+async def copy(rt: Runtime, request: CopyRequest | LocalCopyRequest) -> None:
+    """A local copy (``copy_blocks``, ``copy_cache``, ``swap_blocks``) on the executor,
+    under the deadline.
 
-    No link, so no slot: the cache's hold alone keeps a free from unmapping it.
+    No link, so no slot: the caches' holds alone keep a free from unmapping them.
 
     Raises:
-        LLMCacheNotFoundError: the cache was freed meanwhile.
+        LLMCacheNotFoundError: a cache was freed meanwhile.
         LLMTimeoutError: the deadline passed (the copy was aborted and has returned).
         asyncio.CancelledError: cancelled, once the copy has returned.
     """
-    moves = copy_plan(request)
-    entry = request.entry
-    entry.hold()
+    if isinstance(request, CopyRequest):
+        moves = copy_plan(request)
+        src = dst = request.entry
+        holds: tuple[CacheEntry, ...] = (request.entry,)
+    else:
+        moves = local_copy_plan(request)
+        src, dst, holds = request.src, request.dst, request.holds
+    held: list[CacheEntry] = []
     try:
-        addrs = entry.addrs
+        for entry in holds:
+            entry.hold()
+            held.append(entry)
+        src_addrs, dst_addrs = src.addrs, dst.addrs
         threads = rt.options.mover_threads
         await rt.call(request.deadline).run(
-            lambda ctl: _native.copy_local(moves, addrs, addrs, ctl, threads)
+            lambda ctl: _native.copy_local(moves, src_addrs, dst_addrs, ctl, threads)
         )
     finally:
-        entry.release()
+        for entry in held:
+            entry.release()

@@ -16,11 +16,23 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _runner
 from ._bridge import public
+from ._checks import (
+    MISSING,
+    check_cache_key,
+    check_row_keys,
+    copy_pairs,
+    pull_block_lists,
+    pull_names,
+    pull_request,
+)
+from ._cm_local import LocalMixin
+from ._cm_push import PushMixin
 from ._pipeline import (
     CacheTask,
     PipelineRequest,
@@ -29,20 +41,8 @@ from ._pipeline import (
     check_push_span,
     stop_abandoned,
 )
-from ._plan import CopyRequest, PullRequest, RemoteKey
-from ._validate import (
-    INT64_MAX,
-    INVALID_ID,
-    check_int,
-    check_int_list,
-    check_layer_range,
-    check_sint,
-    check_timeout,
-    check_type,
-    check_uint,
-    require,
-)
-from .errors import LLMStatusCode, current_api, failure
+from ._plan import CopyRequest
+from ._validate import check_int, check_sint, check_timeout, check_type, require
 from .types import (
     BlocksCacheKey,
     CacheDesc,
@@ -50,13 +50,11 @@ from .types import (
     CacheKeyByIdAndIndex,
     KvCache,
     LayerSynchronizer,
-    LLMRole,
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
 
 if TYPE_CHECKING:
-    from ._caches import CacheEntry
     from ._runtime import Runtime
 
 __all__ = ["CacheManager", "CacheTask"]
@@ -65,138 +63,14 @@ __all__ = ["CacheManager", "CacheTask"]
 CacheTask.__module__ = __name__
 
 
-def _check_tensor_num(value: object) -> int:
-    t = check_uint("tensor_num_per_layer", value, 32)
-    require(t > 0, f"tensor_num_per_layer must be > 0, got {t}")
-    return t
-
-
-def _check_cache_key(key: CacheKey) -> None:
-    require(
-        (key.req_id == INVALID_ID) != (key.prefix_id == INVALID_ID),
-        f"a CacheKey must set exactly one of req_id and prefix_id, got {key!r}",
-    )
-
-
-def _check_row_keys(desc: CacheDesc, cache_keys: object) -> list[CacheKey]:
-    check_type("cache_keys", cache_keys, (list, tuple))
-    assert isinstance(cache_keys, (list, tuple))
-    for i, k in enumerate(cache_keys):
-        check_type(f"cache_keys[{i}]", k, CacheKey)
-    require(
-        len(cache_keys) <= desc.shape[0],
-        f"cache_keys has {len(cache_keys)} keys for a batch of {desc.shape[0]} rows",
-    )
-    return list(cache_keys)
-
-
-def _require_role(rt: Runtime, *roles: LLMRole) -> None:
-    if rt.role not in roles:
-        allowed = " or ".join(r.name for r in roles)
-        raise failure(
-            LLMStatusCode.LLM_FAILED,
-            f"{current_api()} may only be called on a {allowed} instance; this one is "
-            f"{rt.role.name}",
-        )
-
-
-def _pull_request(
-    rt: Runtime,
-    key: RemoteKey,
-    local: CacheEntry,
-    tensor_num_per_layer: object,
-    src_layer_range: object,
-    dst_layer_range: object,
-    timeout: object,
-    **what: Any,
-) -> PullRequest:
-    """The checks every pull shares, in upstream's order, then its one request
-    (the deadline fixed here: waiting for the link counts against it)."""
-    t = _check_tensor_num(tensor_num_per_layer)
-    src_lr = check_layer_range("src_layer_range", src_layer_range, allow_none=True)
-    dst_lr = check_layer_range("dst_layer_range", dst_layer_range, allow_none=True)
-    tmo = check_timeout("timeout", timeout)
-    _require_role(rt, LLMRole.DECODER, LLMRole.MIX)
-    if key.cluster_id == rt.cluster_id:
-        raise failure(
-            LLMStatusCode.LLM_PARAM_INVALID,
-            f"cannot pull from this instance's own cluster_id {rt.cluster_id}",
-        )
-    return PullRequest(
-        local=local,
-        key=key,
-        deadline=rt.deadline(tmo),
-        src_layers=src_lr,
-        dst_layers=dst_lr,
-        tensors_per_layer=t,
-        **what,
-    )
-
-
-def _pull_block_lists(
-    key: RemoteKey, local: CacheEntry, prompt_blocks: object, decoder_blocks: object
-) -> tuple[list[int], list[int]]:
-    """``pull_blocks``'s block lists, checked against the key's kind and the destination."""
-    # Bounded by the destination: no list can name more blocks than it holds, and no
-    # id beyond int64 may reach native code (the source's size is known only later).
-    most = local.num_blocks
-    src_blocks = check_int_list("prompt_blocks", prompt_blocks, max_len=most, max_value=INT64_MAX)
-    dst_blocks = check_int_list(
-        "decoder_blocks", decoder_blocks, allow_empty=False, max_len=most, max_value=most - 1
-    )
-    if isinstance(key, BlocksCacheKey):
-        require(len(src_blocks) > 0, "prompt_blocks must not be empty with a BlocksCacheKey")
-        require(
-            len(src_blocks) == len(dst_blocks),
-            f"prompt_blocks and decoder_blocks differ in length "
-            f"({len(src_blocks)} != {len(dst_blocks)})",
-        )
-    else:
-        require(
-            not src_blocks,
-            "prompt_blocks must be empty unless the key is a BlocksCacheKey "
-            "(the remote row is cut into decoder blocks)",
-        )
-        if isinstance(key, CacheKey):
-            _check_cache_key(key)
-    return src_blocks, dst_blocks
-
-
-def _copy_pairs(entry: CacheEntry, copy_block_info: object) -> list[tuple[int, int]]:
-    """``copy_blocks``'s ``{src: [dst, ...]}`` as (src, dst) pairs, checked against ``entry``."""
-    require(entry.is_blocks, "cache must be a blocks cache")
-    check_type("copy_block_info", copy_block_info, Mapping)
-    assert isinstance(copy_block_info, Mapping)
-    require(len(copy_block_info) > 0, "copy_block_info must not be empty")
-    # Every block is named at most once as a destination: no list (and no total)
-    # can be longer than the cache, and no id beyond it reaches native code.
-    nb = entry.num_blocks
-    require(
-        len(copy_block_info) <= nb,
-        f"copy_block_info has {len(copy_block_info)} sources, more than the cache's {nb} blocks",
-    )
-    pairs: list[tuple[int, int]] = []
-    for src, dsts in copy_block_info.items():
-        s = check_int("copy_block_info key", src, min_value=0, max_value=nb - 1)
-        for d in check_int_list(
-            f"copy_block_info[{s}]", dsts, allow_empty=False, max_len=nb, max_value=nb - 1
-        ):
-            pairs.append((s, d))
-        require(
-            len(pairs) <= nb,
-            f"copy_block_info names {len(pairs)}+ destinations, more than the cache's {nb} blocks",
-        )
-    sources = {s for s, _ in pairs}
-    for _, d in pairs:
-        require(d not in sources, f"block {d} is both a source and a destination")
-    return pairs
-
-
-class CacheManager:
+class CacheManager(PushMixin, LocalMixin):
     """Registers caches and moves blocks between this instance and its linked peers.
 
     Obtained as ``LLMDataDist.cache_manager`` (alias ``kv_cache_manager``).
     Registration calls are synchronous, like upstream; every transfer is a coroutine.
+    The role is a label (upstream v2): any role may pull, push and copy. ``push_blocks``
+    and ``push_cache`` come from :class:`~aiodatadist._cm_push.PushMixin`, ``copy_cache``
+    and ``swap_blocks`` from :class:`~aiodatadist._cm_local.LocalMixin`.
 
     Attributes:
         table: the caches this instance serves to its peers.
@@ -271,7 +145,7 @@ class CacheManager:
         """
         self._rt.require_ready()
         check_type("cache_desc", cache_desc, CacheDesc)
-        keys = _check_row_keys(cache_desc, cache_keys)
+        keys = check_row_keys(cache_desc, cache_keys)
         if remote_accessible is not None:
             check_type("remote_accessible", remote_accessible, bool)
         return self._caches.register(
@@ -299,7 +173,7 @@ class CacheManager:
         """Allocates a non-block cache in shared memory; ``cache_keys[i]`` names row ``i``."""
         self._rt.require_ready()
         check_type("cache_desc", cache_desc, CacheDesc)
-        keys = _check_row_keys(cache_desc, cache_keys)
+        keys = check_row_keys(cache_desc, cache_keys)
         return self._caches.allocate(cache_desc, is_blocks=False, model_id=None, row_keys=keys)
 
     def _free(self, cache_id: int, *, allocated: bool | None, blocks: bool | None) -> None:
@@ -360,28 +234,33 @@ class CacheManager:
     @public("pull_blocks")
     async def pull_blocks(
         self,
-        prompt_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
-        decoder_kv_cache: KvCache,
-        prompt_blocks: Sequence[int] = (),
-        decoder_blocks: Sequence[int] = (),
+        src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey = MISSING,
+        dst_cache: KvCache = MISSING,
+        src_blocks: Sequence[int] = MISSING,
+        dst_blocks: Sequence[int] = MISSING,
         *,
         src_layer_range: range | None = None,
         dst_layer_range: range | None = None,
         tensor_num_per_layer: int = 2,
         timeout: float | None = None,
+        **v1_names: Any,
     ) -> None:
-        """Pulls blocks of a linked prompt's cache into ``decoder_kv_cache``.
+        """Pulls blocks of a linked peer's cache into ``dst_cache``.
 
-        For every selected tensor ``t`` and every ``i``, block ``prompt_blocks[i]`` of the
-        remote tensor lands in block ``decoder_blocks[i]`` of the local one. With a
+        For every selected tensor ``t`` and every ``i``, block ``src_blocks[i]`` of the
+        remote tensor lands in block ``dst_blocks[i]`` of the local one. With a
         ``CacheKey`` / ``CacheKeyByIdAndIndex`` the remote row is cut into local-block-sized
-        chunks and chunk ``i`` lands in ``decoder_blocks[i]`` (``prompt_blocks`` empty).
+        chunks and chunk ``i`` lands in ``dst_blocks[i]`` (``src_blocks`` empty).
+
+        The parameter names are upstream v2's; upstream v1's are accepted as keywords:
+        ``prompt_cache_key``, ``decoder_kv_cache``, ``prompt_blocks``, ``decoder_blocks``
+        (passing one parameter under both names is a ``TypeError``).
 
         Args:
-            prompt_cache_key: names the remote cache; its ``cluster_id`` selects the link.
-            decoder_kv_cache: a blocks cache of this instance.
-            prompt_blocks: remote block ids (required with ``BlocksCacheKey``).
-            decoder_blocks: local block ids, non-empty, no duplicates.
+            src_cache_key: names the remote cache; its ``cluster_id`` selects the link.
+            dst_cache: a blocks cache of this instance.
+            src_blocks: remote block ids (required with ``BlocksCacheKey``).
+            dst_blocks: local block ids, non-empty, no duplicates.
             src_layer_range: remote layers (step 1); None = all.
             dst_layer_range: local layers (step 1); None = all.
             tensor_num_per_layer: tensors per layer (K,V = 2); must divide the tensor counts.
@@ -389,33 +268,40 @@ class CacheManager:
                 None = ``sync_kv_timeout``.
 
         Raises:
-            TypeError, LLMParamError (a ValueError): bad arguments, before anything is queued.
-            LLMException: LLM_FAILED on a PROMPT instance.
+            TypeError, LLMParamError (a ValueError): bad arguments, before anything is queued
+                (LLMParamError also for the instance's own ``cluster_id``).
             LLMLinkError: LLM_NOT_YET_LINK without a link to the key's cluster.
             LLMCacheNotFoundError: the peer has no cache under that key.
             LLMTimeoutError: the deadline passed; the native job was aborted and has returned,
                 the named destination blocks are undefined, the link stays usable.
             asyncio.CancelledError: cancelled; raised once the native job has returned.
         """
+        # The fast path (all four given, v2 or positional) costs four identity checks.
+        if (
+            v1_names
+            or dst_blocks is MISSING
+            or src_blocks is MISSING
+            or dst_cache is MISSING
+            or src_cache_key is MISSING
+        ):
+            src_cache_key, dst_cache, src_blocks, dst_blocks = pull_names(
+                src_cache_key, dst_cache, src_blocks, dst_blocks, v1_names
+            )
         self._rt.require_ready()
-        check_type(
-            "prompt_cache_key", prompt_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey)
-        )
-        local = self._caches.live("decoder_kv_cache", decoder_kv_cache)
-        require(local.is_blocks, "decoder_kv_cache must be a blocks cache")
-        src_blocks, dst_blocks = _pull_block_lists(
-            prompt_cache_key, local, prompt_blocks, decoder_blocks
-        )
-        request = _pull_request(
+        check_type("src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey))
+        local = self._caches.live("dst_cache", dst_cache)
+        require(local.is_blocks, "dst_cache must be a blocks cache")
+        src, dst = pull_block_lists(src_cache_key, local, src_blocks, dst_blocks)
+        request = pull_request(
             self._rt,
-            prompt_cache_key,
+            src_cache_key,
             local,
             tensor_num_per_layer,
             src_layer_range,
             dst_layer_range,
             timeout,
-            src_blocks=tuple(src_blocks),
-            dst_blocks=tuple(dst_blocks),
+            src_blocks=tuple(src),
+            dst_blocks=tuple(dst),
         )
         await _runner.run(self._rt, self._rt.links.get(request.cluster_id), request)
 
@@ -452,7 +338,7 @@ class CacheManager:
         local = self._caches.live("cache", cache)
         require(not local.is_blocks, "cache must be a non-block cache (use pull_blocks for blocks)")
         if isinstance(cache_key, CacheKey):
-            _check_cache_key(cache_key)
+            check_cache_key(cache_key)
         bi = check_int("batch_index", batch_index, min_value=0, max_value=local.num_blocks - 1)
         nbytes = check_int("size", size, min_value=-1)
         require(nbytes != 0, "size must be -1 or > 0, got 0")
@@ -462,7 +348,7 @@ class CacheManager:
             nbytes <= local.block_bytes,
             f"size {nbytes} exceeds the local row stride of {local.block_bytes} bytes",
         )
-        request = _pull_request(
+        request = pull_request(
             self._rt,
             cache_key,
             local,
@@ -492,7 +378,7 @@ class CacheManager:
         """
         self._rt.require_ready()
         entry = self._caches.live("cache", cache)
-        pairs = _copy_pairs(entry, copy_block_info)
+        pairs = copy_pairs(entry, copy_block_info)
         tmo = check_timeout("timeout", timeout)
         request = CopyRequest(entry=entry, pairs=tuple(pairs), deadline=self._rt.deadline(tmo))
         await _runner.copy(self._rt, request)
@@ -519,9 +405,13 @@ class CacheManager:
         config's status and stops the whole job (later layers are not sent). A config
         stopped part-way reports ``None`` in ``get_results``; see ``CacheTask``.
 
+        A blocks ``src_cache`` with both block index lists None (upstream's empty lists)
+        sends the whole layer: block ``i`` -> block ``i`` for every source block; a
+        destination with fewer blocks (or another block size) fails that config with
+        ``LLM_PARAM_INVALID`` before a byte of it is written. Any role may push.
+
         Raises (synchronously, before anything is sent):
             TypeError, LLMParamError: bad arguments.
-            LLMException: LLM_FAILED on a DECODER instance.
             asyncio.CancelledError: awaited from another thread's loop and cancelled there;
                 a pipeline the call had already started is cancelled and awaited first,
                 so a started ``CacheTask`` is never left running without an owner.
@@ -552,8 +442,27 @@ class CacheManager:
         spans = tuple(
             check_push_span(i, c, num_layers, src_blocks is not None) for i, c in enumerate(configs)
         )
-        _require_role(self._rt, LLMRole.PROMPT, LLMRole.MIX)
         request = PipelineRequest(
             local, layer_synchronizer, configs, spans, src_blocks, dst_blocks, num_layers
         )
         return self._pipelines.start(request)
+
+
+def _show_signature(fn: Any, required: tuple[str, ...], defaults: dict[str, object]) -> None:
+    """What ``help()`` / ``inspect`` show: ``required`` without a default, ``defaults``
+    as given (the real defaults only tell a v1 keyword apart from a missing argument)."""
+    sig = inspect.signature(fn)
+    params = [
+        p.replace(default=inspect.Parameter.empty)
+        if p.name in required
+        else p.replace(default=defaults[p.name])
+        if p.name in defaults
+        else p
+        for p in sig.parameters.values()
+    ]
+    fn.__signature__ = sig.replace(parameters=params)
+
+
+_show_signature(
+    CacheManager.pull_blocks, ("src_cache_key", "dst_cache"), {"src_blocks": (), "dst_blocks": ()}
+)

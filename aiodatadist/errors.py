@@ -269,9 +269,12 @@ def format_error(api: str, status: int, info: str = "") -> str:
         info: Extra detail; left out when empty.
 
     Returns:
-        ``"pull_blocks failed, error code is LLMStatusCode.LLM_TIMEOUT, <info>."``
+        ``"[pull_blocks] failed, error code is LLMStatusCode.LLM_TIMEOUT, <info>."``
+        (upstream's ``handle_llm_status`` text; an ``api`` already in brackets keeps them).
     """
     code = to_status_code(status)
+    if not api.startswith("["):
+        api = f"[{api}]"
     if info:
         return f"{api} failed, error code is {code}, {info}."
     return f"{api} failed, error code is {code}."

@@ -179,13 +179,13 @@ def test_to_status_code() -> None:
 def test_format_error_matches_upstream() -> None:
     assert (
         format_error("pull_blocks", S.LLM_TIMEOUT, "cluster 7")
-        == "pull_blocks failed, error code is LLMStatusCode.LLM_TIMEOUT, cluster 7."
+        == "[pull_blocks] failed, error code is LLMStatusCode.LLM_TIMEOUT, cluster 7."
     )
     assert (
         format_error("link", 0x5010B009)
-        == "link failed, error code is LLMStatusCode.LLM_LINK_FAILED."
+        == "[link] failed, error code is LLMStatusCode.LLM_LINK_FAILED."
     )
-    assert format_error("x", 99, "i") == "x failed, error code is LLMStatusCode.LLM_FAILED, i."
+    assert format_error("x", 99, "i") == "[x] failed, error code is LLMStatusCode.LLM_FAILED, i."
 
 
 def test_raise_for_status() -> None:
@@ -195,7 +195,7 @@ def test_raise_for_status() -> None:
         raise_for_status(S.LLM_KV_CACHE_NOT_EXIST, "pull_cache", "key (1, 2)")
     assert info.value.status_code is S.LLM_KV_CACHE_NOT_EXIST
     assert str(info.value) == (
-        "pull_cache failed, error code is LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, key (1, 2)."
+        "[pull_cache] failed, error code is LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, key (1, 2)."
     )
     with pytest.raises(LLMException, match=r"LLM_FAILED") as info2:
         raise_for_status(42, "init")
@@ -309,7 +309,7 @@ def test_from_native_maps_status(native: int, code: LLMStatusCode) -> None:
     err = from_native(FakeNativeError(native, "it broke"), "pull_blocks")
     assert err.status_code is code
     assert type(err) is type(LLMException("", status_code=code))
-    assert str(err) == f"pull_blocks failed, error code is {code}, it broke."
+    assert str(err) == f"[pull_blocks] failed, error code is {code}, it broke."
 
 
 def test_from_native_success_status_is_still_a_failure() -> None:
@@ -327,7 +327,8 @@ def test_from_native_appends_errno() -> None:
     err = from_native(FakeNativeError(9, "peer closed", errno=104), "pull_blocks")
     assert isinstance(err, LLMLinkError)
     assert str(err) == (
-        "pull_blocks failed, error code is LLMStatusCode.LLM_LINK_FAILED, peer closed (errno 104)."
+        "[pull_blocks] failed, error code is LLMStatusCode.LLM_LINK_FAILED, "
+        "peer closed (errno 104)."
     )
 
 
@@ -346,7 +347,7 @@ def test_from_native_appends_errno() -> None:
 def test_from_native_without_status(exc: BaseException, code: LLMStatusCode) -> None:
     err = from_native(exc, "link_clusters")
     assert err.status_code is code
-    assert str(err).startswith(f"link_clusters failed, error code is {code}, ")
+    assert str(err).startswith(f"[link_clusters] failed, error code is {code}, ")
 
 
 def test_from_native_oserror_errno_not_repeated() -> None:
@@ -381,16 +382,16 @@ def test_failure_uses_the_api_scope() -> None:
     assert current_api() == "aiodatadist"
     err = failure(S.LLM_TIMEOUT, "slow")
     assert isinstance(err, LLMTimeoutError)
-    assert str(err) == "aiodatadist failed, error code is LLMStatusCode.LLM_TIMEOUT, slow."
+    assert str(err) == "[aiodatadist] failed, error code is LLMStatusCode.LLM_TIMEOUT, slow."
     with api_scope("pull_blocks"):
         assert current_api() == "pull_blocks"
         assert str(failure(S.LLM_PARAM_INVALID)) == (
-            "pull_blocks failed, error code is LLMStatusCode.LLM_PARAM_INVALID."
+            "[pull_blocks] failed, error code is LLMStatusCode.LLM_PARAM_INVALID."
         )
         # A task started inside copies the context, so it names the same call.
         ctx = contextvars.copy_context()
         assert ctx.run(current_api) == "pull_blocks"
-        assert "link failed" in str(failure(S.LLM_FAILED, "x", api="link"))
+        assert "[link] failed" in str(failure(S.LLM_FAILED, "x", api="link"))
     assert current_api() == "aiodatadist"
 
 
@@ -402,11 +403,12 @@ def test_failure_kind_picks_a_more_specific_class() -> None:
     assert type(err) is Stale
     assert err.status_code is S.LLM_KV_CACHE_NOT_EXIST
     assert (
-        str(err) == "pull_blocks failed, error code is LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, gone."
+        str(err)
+        == "[pull_blocks] failed, error code is LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, gone."
     )
 
 
 def test_from_native_uses_the_api_scope() -> None:
     with api_scope("push_cache"):
         err = from_native(FakeNativeError(9, "closed"))
-    assert str(err).startswith("push_cache failed, error code is LLMStatusCode.LLM_LINK_FAILED")
+    assert str(err).startswith("[push_cache] failed, error code is LLMStatusCode.LLM_LINK_FAILED")

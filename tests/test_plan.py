@@ -188,7 +188,7 @@ def test_tensor_span_failures(
     with api_scope("pull_blocks"), pytest.raises(LLMException) as ei:
         tensor_span(src, dst, src_lr, dst_lr, t)
     assert ei.value.status_code == PARAM
-    assert str(ei.value).startswith("pull_blocks failed, error code is")
+    assert str(ei.value).startswith("[pull_blocks] failed, error code is")
     assert words in str(ei.value)
 
 
@@ -483,7 +483,7 @@ def test_push_addr_plan_failures(request_: PushRequest, words: str) -> None:
     with api_scope("transfer_cache_async"), pytest.raises(LLMException) as ei:
         push_addr_plan(request_, _table())
     assert ei.value.status_code == PARAM
-    assert str(ei.value).startswith("transfer_cache_async failed, error code is")
+    assert str(ei.value).startswith("[transfer_cache_async] failed, error code is")
     assert words in str(ei.value)
 
 

@@ -1,6 +1,8 @@
-"""Which role may call what: pulls on DECODER or MIX, transfer_cache_async on PROMPT or MIX.
+"""The role is a label (upstream v2): any role may pull, push and copy.
 
-A refused call raises ``LLMException(LLM_FAILED)`` before anything moves.
+A PROMPT pulls from a DECODER, a DECODER pushes (``push_blocks``, ``transfer_cache_async``)
+to a PROMPT, MIX does both; the bytes are checked. A pull from the instance's own
+cluster id stays ``LLM_PARAM_INVALID`` (upstream's C++ check).
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ import pytest
 from aiodatadist import (
     BlocksCacheKey,
     CacheDesc,
-    CacheKey,
+    CacheKeyByIdAndIndex,
     DataType,
     LayerSynchronizer,
-    LLMException,
+    LLMParamError,
     LLMRole,
     LLMStatusCode,
     Placement,
@@ -33,74 +35,76 @@ class Always(LayerSynchronizer):
         return True
 
 
-def _exact_llm_failed(err: BaseException) -> None:
-    assert type(err) is LLMException
-    assert err.status_code == LLMStatusCode.LLM_FAILED
+async def test_prompt_pulls_from_decoder() -> None:
+    async with inproc_pair(prompt_id=401, decoder_id=402) as pair:
+        # The decoder serves a blocks cache and a row cache; the PROMPT pulls both.
+        src = make_blocks_cache(
+            pair.decoder, model_id=5, seed=11, num_tensors=2, num_blocks=4, block_shape=BLOCK
+        )
+        dst = pair.prompt_cache(model_id=0, seed=12, num_tensors=2, num_blocks=4, block_shape=BLOCK)
+        want = snapshot(dst)
+        await pair.prompt.cache_manager.pull_blocks(BlocksCacheKey(402, 5), dst.cache, [3], [1])
+        desc = CacheDesc(2, [2, 1024], DataType.DT_UINT8, Placement.HOST)
+        rows_src = [np.arange(2048, dtype=np.uint8).reshape(2, 1024) ^ (t + 7) for t in range(2)]
+        served = pair.decoder.cache_manager.register_cache(desc, rows_src)
+        rows_dst = [np.zeros((2, 1024), np.uint8) for _ in range(2)]
+        local = pair.prompt.cache_manager.register_cache(desc, rows_dst)
+        await pair.prompt.cache_manager.pull_cache(
+            CacheKeyByIdAndIndex(402, served.cache_id, 1), local, 0
+        )
+        for t in range(2):
+            want[t][1] = blocks_of(src.tensors[t])[3]
+            assert np.array_equal(blocks_of(dst.tensors[t]), want[t])
+            assert np.array_equal(rows_dst[t][0], rows_src[t][1])
+            assert not rows_dst[t][1].any()
 
 
-async def test_pulls_refused_on_prompt() -> None:
-    # Two PROMPT instances linked: neither may pull.
-    async with inproc_pair(prompt_id=401, decoder_id=402, decoder_role=LLMRole.PROMPT) as pair:
+async def test_decoder_pushes_to_prompt() -> None:
+    async with inproc_pair(prompt_id=403, decoder_id=404) as pair:
+        target = pair.prompt_cache(
+            model_id=0, seed=21, num_tensors=2, num_blocks=4, block_shape=BLOCK
+        )
+        src = pair.decoder_cache(seed=22, num_tensors=2, num_blocks=4, block_shape=BLOCK)
+        want = snapshot(target)
+        cm = pair.decoder.cache_manager
+        await cm.push_blocks(BlocksCacheKey(403, 0), src.cache, [2], [0])
+        cfg = TransferWithCacheKeyConfig(BlocksCacheKey(403, 0), range(0, 1), range(0, 1))
+        task = await cm.transfer_cache_async(src.cache, Always(), [cfg], [1], [3])
+        assert await task.synchronize() == LLMStatusCode.LLM_SUCCESS
+        for t in range(2):
+            want[t][0] = blocks_of(src.tensors[t])[2]
+            want[t][3] = blocks_of(src.tensors[t])[1]
+            assert np.array_equal(blocks_of(target.tensors[t]), want[t])
+
+
+async def test_pull_from_own_cluster_id_is_param_invalid() -> None:
+    async with inproc_pair(prompt_id=405, decoder_id=406) as pair:
         pair.prompt_cache(num_tensors=2, num_blocks=4, block_shape=BLOCK)
         dst = pair.decoder_cache(seed=3, num_tensors=2, num_blocks=4, block_shape=BLOCK)
         tracker = Tracker()
-        instrument(pair.decoder, 401, tracker)
+        instrument(pair.decoder, 405, tracker)
         before = snapshot(dst)
-        with pytest.raises(LLMException) as info:
-            await pair.decoder.cache_manager.pull_blocks(pair.key(), dst.cache, [0], [0])
-        _exact_llm_failed(info.value)
-        assert "DECODER or MIX" in str(info.value)
-        desc = CacheDesc(2, [2, 1024], DataType.DT_FLOAT16, Placement.HOST)
-        rows = pair.decoder.cache_manager.register_cache(
-            desc, [np.zeros((2, 1024), np.float16) for _ in range(2)]
-        )
-        with pytest.raises(LLMException) as info:
-            await pair.decoder.cache_manager.pull_cache(CacheKey(401, 1), rows)
-        _exact_llm_failed(info.value)
+        with pytest.raises(LLMParamError) as info:
+            await pair.decoder.cache_manager.pull_blocks(
+                BlocksCacheKey(406, 0), dst.cache, [0], [0]
+            )
+        assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        assert "own cluster_id 406" in str(info.value)
         assert tracker.events == []
         for t in range(2):
             assert np.array_equal(blocks_of(dst.tensors[t]), before[t])
 
 
-async def test_transfer_cache_async_refused_on_decoder() -> None:
-    async with inproc_pair(prompt_id=403, decoder_id=404) as pair:
-        # The decoder tries to push its cache to the prompt.
-        make_blocks_cache(pair.prompt, model_id=0, num_tensors=2, num_blocks=4,
-                          block_shape=BLOCK)
-        src = pair.decoder_cache(seed=1, num_tensors=2, num_blocks=4, block_shape=BLOCK)
-        cfg = TransferWithCacheKeyConfig(BlocksCacheKey(403, 0), range(0, 1), range(0, 1))
-        with pytest.raises(LLMException) as info:
-            await pair.decoder.cache_manager.transfer_cache_async(
-                src.cache, Always(), [cfg], [0], [0]
-            )
-        _exact_llm_failed(info.value)
-        assert "PROMPT or MIX" in str(info.value)
-        assert not pair.decoder.cache_manager._pipelines.tasks
-
-
-async def test_decoder_pulls_and_prompt_pushes() -> None:
-    async with inproc_pair(prompt_id=405, decoder_id=406) as pair:
-        src = pair.prompt_cache(seed=1, num_tensors=2, num_blocks=4, block_shape=BLOCK)
-        dst = make_blocks_cache(pair.decoder, model_id=9, num_tensors=2, num_blocks=4,
-                                block_shape=BLOCK)
-        await pair.decoder.cache_manager.pull_blocks(pair.key(), dst.cache, [1], [0])
-        cfg = TransferWithCacheKeyConfig(BlocksCacheKey(406, 9), range(0, 1), range(0, 1))
-        task = await pair.prompt.cache_manager.transfer_cache_async(
-            src.cache, Always(), [cfg], [2], [3]
-        )
-        assert await task.synchronize() == LLMStatusCode.LLM_SUCCESS
-        for t in range(2):
-            assert np.array_equal(blocks_of(dst.tensors[t])[0], blocks_of(src.tensors[t])[1])
-            assert np.array_equal(blocks_of(dst.tensors[t])[3], blocks_of(src.tensors[t])[2])
-
-
 async def test_mix_does_both_in_both_directions() -> None:
-    async with inproc_pair(prompt_id=407, decoder_id=408, prompt_role=LLMRole.MIX,
-                           decoder_role=LLMRole.MIX) as pair:
-        a = make_blocks_cache(pair.prompt, model_id=0, seed=1, num_tensors=2, num_blocks=4,
-                              block_shape=BLOCK)
-        b = make_blocks_cache(pair.decoder, model_id=0, seed=2, num_tensors=2, num_blocks=4,
-                              block_shape=BLOCK)
+    async with inproc_pair(
+        prompt_id=407, decoder_id=408, prompt_role=LLMRole.MIX, decoder_role=LLMRole.MIX
+    ) as pair:
+        a = make_blocks_cache(
+            pair.prompt, model_id=0, seed=1, num_tensors=2, num_blocks=4, block_shape=BLOCK
+        )
+        b = make_blocks_cache(
+            pair.decoder, model_id=0, seed=2, num_tensors=2, num_blocks=4, block_shape=BLOCK
+        )
         wa, wb = snapshot(a), snapshot(b)
         # MIX pulls both ways over the one link.
         await pair.decoder.cache_manager.pull_blocks(BlocksCacheKey(407, 0), b.cache, [0], [1])
@@ -108,10 +112,12 @@ async def test_mix_does_both_in_both_directions() -> None:
         # And pushes both ways.
         cfg_ab = TransferWithCacheKeyConfig(BlocksCacheKey(408, 0), range(0, 1), range(0, 1))
         cfg_ba = TransferWithCacheKeyConfig(BlocksCacheKey(407, 0), range(0, 1), range(0, 1))
-        t1 = await pair.prompt.cache_manager.transfer_cache_async(a.cache, Always(), [cfg_ab],
-                                                                  [0], [2])
-        t2 = await pair.decoder.cache_manager.transfer_cache_async(b.cache, Always(), [cfg_ba],
-                                                                   [3], [1])
+        t1 = await pair.prompt.cache_manager.transfer_cache_async(
+            a.cache, Always(), [cfg_ab], [0], [2]
+        )
+        t2 = await pair.decoder.cache_manager.transfer_cache_async(
+            b.cache, Always(), [cfg_ba], [3], [1]
+        )
         assert await t1.synchronize() == LLMStatusCode.LLM_SUCCESS
         assert await t2.synchronize() == LLMStatusCode.LLM_SUCCESS
         for t in range(2):
@@ -127,8 +133,9 @@ async def test_registration_and_local_copies_on_every_role(role: LLMRole) -> Non
     from aiodatadist import LLMDataDist
 
     async with LLMDataDist(role, 409) as dd:
-        fc = make_blocks_cache(dd, model_id=1, seed=1, num_tensors=2, num_blocks=4,
-                               block_shape=BLOCK)
+        fc = make_blocks_cache(
+            dd, model_id=1, seed=1, num_tensors=2, num_blocks=4, block_shape=BLOCK
+        )
         alloc = dd.cache_manager.allocate_blocks_cache(
             CacheDesc(2, [4, *BLOCK], DataType.DT_FLOAT16, Placement.HOST), BlocksCacheKey(409, 2)
         )

@@ -162,7 +162,7 @@ async def test_a_miss_after_the_refresh_is_cache_not_found() -> None:
     with pytest.raises(LLMCacheNotFoundError) as ei:
         await _run(path, _pull(local, model_id=9))
     assert ei.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
-    assert str(ei.value).startswith("pull_blocks failed")
+    assert str(ei.value).startswith("[pull_blocks] failed")
     assert (path.refreshes, path.moves, local.busy) == (1, [], 0)
 
 
@@ -223,6 +223,6 @@ async def test_a_freed_local_cache_is_not_moved_into() -> None:
     local = _entry(50, local=True)
     local.freed = True
     path = FakePath(_table(_entry(1, model_id=1)))
-    with pytest.raises(LLMCacheNotFoundError, match=r"pull_blocks failed.*was unregistered"):
+    with pytest.raises(LLMCacheNotFoundError, match=r"\[pull_blocks\] failed.*was unregistered"):
         await _run(path, _pull(local))
     assert path.moves == []

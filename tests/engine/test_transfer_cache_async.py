@@ -23,7 +23,6 @@ from aiodatadist import (
     CacheTask,
     DataType,
     LayerSynchronizer,
-    LLMException,
     LLMParamError,
     LLMStatusCode,
     Placement,
@@ -460,7 +459,6 @@ def _bad_calls(src, rows, sync):
         "src-without-dst": ((src.cache, sync, [cfg], [0], None), LLMParamError),
         "dst-without-src": ((src.cache, sync, [cfg], None, [0]), LLMParamError),
         "lengths-differ": ((src.cache, sync, [cfg], [0, 1], [0]), LLMParamError),
-        "blocks-without-indices": ((src.cache, sync, [cfg]), LLMParamError),
         "indices-empty": ((src.cache, sync, [cfg], [], []), LLMParamError),
         "negative-index": ((src.cache, sync, [cfg], [-1], [0]), LLMParamError),
         "range-beyond-layers": (
@@ -476,7 +474,7 @@ def _bad_calls(src, rows, sync):
 BAD_CASES = [
     "no-synchronizer", "synchronizer-none", "configs-not-list", "config-wrong-type",
     "configs-empty", "src-cache-wrong-type", "src-without-dst", "dst-without-src",
-    "lengths-differ", "blocks-without-indices", "indices-empty", "negative-index",
+    "lengths-differ", "indices-empty", "negative-index",
     "range-beyond-layers", "raw-addrs-count", "blocks-key-from-rows", "block-memory-size",
 ]
 
@@ -506,15 +504,18 @@ async def test_odd_tensor_count_is_refused(pair: Pair) -> None:
         )
 
 
-async def test_refused_on_a_decoder(pair: Pair) -> None:
+async def test_a_decoder_may_push(pair: Pair) -> None:
+    # The role is a label (upstream v2): a DECODER pushes to a PROMPT.
     src = pair.decoder_cache(seed=1, num_tensors=2, num_blocks=4, block_shape=BLOCK)
-    make_blocks_cache(pair.prompt, model_id=3, num_tensors=2, num_blocks=4, block_shape=BLOCK)
+    dst = make_blocks_cache(pair.prompt, model_id=3, num_tensors=2, num_blocks=4,
+                            block_shape=BLOCK)
     cfg = TransferWithCacheKeyConfig(BlocksCacheKey(P, 3), range(0, 1), range(0, 1))
     sync = Recording(lambda layer: None)
-    with pytest.raises(LLMException) as info:
-        await pair.decoder.cache_manager.transfer_cache_async(src.cache, sync, [cfg], [0], [0])
-    assert info.value.status_code == S.LLM_FAILED
-    assert sync.calls == []
+    task = await pair.decoder.cache_manager.transfer_cache_async(src.cache, sync, [cfg], [0], [2])
+    assert await task.synchronize() == S.LLM_SUCCESS
+    assert sync.calls == [0]
+    for t in range(2):
+        assert np.array_equal(blocks_of(dst.tensors[t])[2], blocks_of(src.tensors[t])[0])
 
 
 async def test_pushes_to_two_decoders(pair: Pair) -> None:

@@ -260,7 +260,7 @@ async def test_param_error_is_value_error_and_llm_exception(ctx: Ctx) -> None:
     assert isinstance(info.value, LLMParamError)
     assert isinstance(info.value, LLMException)
     assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
-    assert "prompt_blocks" in str(info.value) and "decoder_blocks" in str(info.value)
+    assert "src_blocks" in str(info.value) and "dst_blocks" in str(info.value)
 
 
 async def test_not_yet_link_after_unlink(ctx: Ctx) -> None:
