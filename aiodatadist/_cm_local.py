@@ -1,4 +1,5 @@
-"""``CacheManager.copy_cache`` and ``swap_blocks``: copies between this instance's caches.
+"""``CacheManager.copy_cache``, ``swap_blocks`` (copies between this instance's caches) and
+``remap_registered_memory``.
 
 A mixin of :class:`~aiodatadist.cache_manager.CacheManager`. Each call is checked,
 then becomes one :class:`~aiodatadist._plan.LocalCopyRequest` that
@@ -18,7 +19,8 @@ from ._caches import CacheEntry
 from ._checks import row_copy_segments
 from ._plan import LocalCopyRequest
 from ._validate import check_int, check_timeout, check_type, check_uint, require
-from .types import KvCache, Placement
+from .errors import LLMStatusCode, failure
+from .types import KvCache, MemInfo, Memtype, Placement
 
 if TYPE_CHECKING:
     from ._registration import CacheRegistry
@@ -32,7 +34,7 @@ _SWAPS = {(Placement.HOST, Placement.DEVICE), (Placement.DEVICE, Placement.HOST)
 
 
 class LocalMixin:
-    """``copy_cache`` and ``swap_blocks``."""
+    """``copy_cache``, ``swap_blocks`` and ``remap_registered_memory``."""
 
     _rt: Runtime
     _caches: CacheRegistry
@@ -185,6 +187,52 @@ class LocalMixin:
         holds = tuple(dict.fromkeys(src_holds + dst_holds))
         request = LocalCopyRequest(src, dst, segments, self._rt.deadline(tmo), holds)
         await _runner.copy(self._rt, request)
+
+    @public("remap_registered_memory")
+    def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
+        """Upstream's recovery call after a device-memory fault (HBM UCE): re-maps the
+        physical pages behind registered device memory. Reserved upstream too.
+
+        The arguments are checked as upstream (``MemInfo`` or a list of them, device
+        type, non-null address, size > 0). Every region must then lie inside device
+        memory registered with this instance. The host data paths register host memory
+        only (a ``Placement.DEVICE`` cache here is a label on host memory), which has no
+        fault remapping, so every call is refused with ``LLM_PARAM_INVALID`` after the
+        checks: it never reports a remap that did not happen. Device memory comes with
+        the fabric data paths.
+
+        Raises:
+            LLMParamError: a check failed, or a region is not registered device memory.
+        """
+        self._rt.require_ready()
+        infos = mem_infos if isinstance(mem_infos, list) else [mem_infos]
+        require(
+            isinstance(mem_infos, (list, MemInfo)),
+            f"mem_infos must be a MemInfo or a list of MemInfo, got {type(mem_infos).__name__}",
+        )
+        for i, info in enumerate(infos):
+            require(
+                isinstance(info, MemInfo),
+                f"mem_infos[{i}] must be a MemInfo, got {type(info).__name__}",
+            )
+            require(
+                info.mem_type == Memtype.MEM_TYPE_DEVICE,
+                f"mem_infos[{i}].mem_type must be Memtype.MEM_TYPE_DEVICE",
+            )
+            require(info.addr != 0, f"mem_infos[{i}].addr must not be zero")
+            require(info.size > 0, f"mem_infos[{i}].size must be > 0")
+        for i, info in enumerate(infos):
+            found = self._caches.table.containing(info.addr, info.size)
+            where = (
+                "is not registered memory of this instance"
+                if found is None
+                else f"is host memory (cache {found[0].cache_id}), which has no fault remapping"
+            )
+            raise failure(
+                LLMStatusCode.LLM_PARAM_INVALID,
+                f"mem_infos[{i}] [{info.addr:#x}, +{info.size}) {where}; remapping needs device "
+                "memory registered through a fabric data path",
+            )
 
 
 def _require_apart(a: CacheEntry, b: CacheEntry) -> None:
