@@ -142,7 +142,13 @@ class PushMixin:
             size: must be -1 (upstream supports only the whole row).
 
         Raises:
-            As ``push_blocks``.
+            TypeError, LLMParamError (a ValueError): bad arguments, before anything is queued.
+            LLMLinkError: LLM_NOT_YET_LINK without a link to the key's cluster.
+            LLMCacheNotFoundError: the peer has no cache with that ``cache_id``.
+            LLMTimeoutError: the deadline passed; the job was aborted and has returned.
+                A failed, timed-out or cancelled push leaves the destination row undefined;
+                the link stays usable.
+            asyncio.CancelledError: cancelled; raised once the native job has returned.
         """
         self._rt.require_ready()
         check_type("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
