@@ -30,7 +30,7 @@ from ._fdchannel import FdChannel, FdListener
 from ._handshake import Agreed, client_handshake, has_spoken, offered_paths, server_handshake
 from .config import DataPath
 from .errors import API_CONTEXT, API_CONTEXT_NONE, LLMException, LLMStatusCode, failure
-from .links import Link
+from .links import Link, Unreachable
 from .transports.host import host_identity, verified_same_host
 from .transports.peer import PeerInfo
 from .transports.select import RemotePath
@@ -333,9 +333,8 @@ async def connect(rt: Runtime, host: str, port: int, expect_cluster: int, timeou
         async with asyncio.timeout_at(deadline):
             reader, writer = await asyncio.open_connection(host, port)
     except (OSError, TimeoutError) as e:
-        raise failure(
-            LLMStatusCode.LLM_LINK_FAILED, f"cannot reach {host}:{port}: {e or 'timed out'}"
-        ) from e
+        why = f"cannot reach {host}:{port}: {e or 'timed out'}"
+        raise failure(LLMStatusCode.LLM_LINK_FAILED, why, kind=Unreachable) from e
     ok = False
     try:
         async with asyncio.timeout_at(deadline):

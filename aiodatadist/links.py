@@ -16,15 +16,20 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
-from .errors import LLMStatusCode, failure
+from .errors import LLMLinkError, LLMStatusCode, failure
 
 if TYPE_CHECKING:
     from .config import DataPath
     from .transports.base import Path
 
-__all__ = ["Link", "LinkRegistry", "LinkState"]
+__all__ = ["Link", "LinkRegistry", "LinkState", "Unreachable"]
 
 log = logging.getLogger("aiodatadist.links")
+
+
+class Unreachable(LLMLinkError):
+    """LLM_LINK_FAILED because nothing accepted the connection (the peer may not listen
+    yet): a two-sided link retries it, unlike a refusal or a failed handshake."""
 
 
 class LinkState(enum.Enum):
@@ -133,6 +138,8 @@ class LinkRegistry:
     def __init__(self, local_cluster_id: int) -> None:
         self.local_cluster_id = local_cluster_id
         self._links: dict[int, Link] = {}
+        # wait_for() callers by cluster id, woken by add().
+        self._waiters: dict[int, list[asyncio.Future[Link]]] = {}
 
     def __contains__(self, cluster_id: object) -> bool:
         return cluster_id in self._links
@@ -150,6 +157,34 @@ class LinkRegistry:
                 f"already linked to cluster {link.remote_cluster_id}",
             )
         self._links[link.remote_cluster_id] = link
+        for fut in self._waiters.pop(link.remote_cluster_id, []):
+            if not fut.done():
+                fut.set_result(link)
+
+    async def wait_for(self, cluster_id: int, deadline: float | None) -> Link:
+        """The active link to ``cluster_id`` once there is one (woken by :meth:`add`).
+
+        Raises:
+            LLMTimeoutError: LLM_TIMEOUT, none came by ``deadline``.
+        """
+        link = self._links.get(cluster_id)
+        if link is not None and link.state is LinkState.ACTIVE:
+            return link
+        fut: asyncio.Future[Link] = asyncio.get_running_loop().create_future()
+        waiters = self._waiters.setdefault(cluster_id, [])
+        waiters.append(fut)
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await fut
+        except TimeoutError:
+            raise failure(
+                LLMStatusCode.LLM_TIMEOUT, f"no link from cluster {cluster_id} came in time"
+            ) from None
+        finally:
+            if fut in waiters:
+                waiters.remove(fut)
+            if not waiters and self._waiters.get(cluster_id) is waiters:
+                del self._waiters[cluster_id]
 
     def get(self, cluster_id: int) -> Link:
         """The active link to ``cluster_id``.

@@ -35,6 +35,11 @@ Commands (``cmd``; every reply has ``ok`` and, on failure, ``status``/``error``)
 * ``digest`` ``{name}``: sha256 per tensor of one local cache.
 * ``serve_stats`` ``{cluster_id?}``: the serving side's counters (served, failed,
   stale, cancelled_queued, cancelled_running), summed over links.
+* ``comm_link`` ``{comm_name, members: [[cluster_id, rank], ...], rank_table}``: the
+  two-sided ``link``; replies ``comm_id``. ``comm_status`` ``{comm_id}``: replies
+  ``status`` (the ``RegisterMemStatus`` name). ``comm_unlink`` ``{comm_id}``.
+* ``switch_role`` ``{role, listen}``: ``switch_role(LLMRole[role], {"llm.listenIpInfo":
+  listen} if listen else None)``; replies ``address`` (``listen_address``).
 * ``quit``.
 """
 
@@ -51,6 +56,7 @@ from aiodatadist import (
     LayerSynchronizer,
     LLMDataDist,
     LLMException,
+    LLMRole,
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
@@ -253,3 +259,21 @@ class Commands(PeerCommands):
 
     async def cmd_digest(self, c: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True, "sha": xc.digests(self.caches[c["name"]].matrix())}
+
+    async def cmd_comm_link(self, c: dict[str, Any]) -> dict[str, Any]:
+        members = {int(cid): int(rank) for cid, rank in c["members"]}
+        comm_id = await self.dd.link(c["comm_name"], members, c["rank_table"])
+        return {"ok": True, "comm_id": comm_id}
+
+    async def cmd_comm_status(self, c: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": True, "status": self.dd.query_register_mem_status(int(c["comm_id"])).name}
+
+    async def cmd_comm_unlink(self, c: dict[str, Any]) -> dict[str, Any]:
+        await self.dd.unlink(int(c["comm_id"]))
+        return {"ok": True}
+
+    async def cmd_switch_role(self, c: dict[str, Any]) -> dict[str, Any]:
+        listen = c.get("listen")
+        opts = {"llm.listenIpInfo": listen} if listen else None
+        await self.dd.switch_role(LLMRole[c["role"]], opts)
+        return {"ok": True, "address": self.dd.listen_address}
