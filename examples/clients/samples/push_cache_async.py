@@ -1,0 +1,195 @@
+"""HIXL ``push_cache_sample.py`` on async ``aiodatadist``: D pushes a cache row into P's cache.
+
+Upstream: ``hicann/hixl`` ``examples/python/push_cache_sample.py``. P and D register
+non-block caches (``register_cache``, 3 rows of 2 tensors); D links to P with
+``link_clusters`` and pushes its row 0 into row 0 of P's cache, addressed by
+``CacheKeyByIdAndIndex(P, cache_id, 0)``; after a barrier P reads what landed; D unlinks
+(not forced: P is told and drops its side), both unregister and finalize.
+
+Changed from upstream (everything else is the sample's code, in its order):
+
+* the import: ``aiodatadist`` in place of ``llm_datadist``, and ``await`` on every call
+  that talks to a peer (``async def`` where the sample's functions make such calls);
+* numpy arrays in place of torch NPU tensors (``arr.ctypes.data`` for ``tensor.data_ptr()``),
+  filled with a pattern unique to each side instead of zeros / ones, and checked where the
+  sample logs them (P's rows 1 and 2, not pushed into, must be untouched);
+* ``torch.distributed`` (``init_process_group``, ``barrier``) -> a ``multiprocessing``
+  barrier (``harness.dist``; awaited in a thread, ``await dist.abarrier()``, so the
+  event loop goes on serving the peer meanwhile), and one command starts every role;
+* D learns P's ``cache_id`` from P over a ``multiprocessing`` queue (``dist.send`` /
+  ``dist.recv``): upstream hard-codes ``cache_id=1``, the id of P's first cache;
+* free ports for the fixed 26000 / 26001 (both roles on one host); the Ascend-only CLI
+  options (``--device_id``, ``--transfer_backend``, ``--local_comm_res``) dropped.
+
+Run from the repository root::
+
+    python examples/clients/samples/push_cache_async.py [--loop uvloop]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import harness
+from harness import dist  # in place of: import torch.distributed as dist
+
+from aiodatadist import (
+    CacheDesc,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+
+NUM_TENSORS = 2
+BLOCKS_NUM = 3
+KV_SHAPE = 10
+PROMPT_CLUSTER_ID = 0
+DECODER_CLUSTER_ID = 1
+PROMPT_PORT = harness.port("PROMPT_PORT", 26000)  # a free port when launched by main()
+DECODER_PORT = harness.port("DECODER_PORT", 26001)
+
+P_SEED = harness.seed("push_cache", "P", "initial")
+D_SEED = harness.seed("push_cache", "D", "pushed")
+
+
+async def init_llm_datadist(
+    role: LLMRole, cluster_id: int, args: argparse.Namespace
+) -> LLMDataDist:
+    # init_process_group(...) dropped: the launcher attached `dist` to this process.
+    datadist = LLMDataDist(role, cluster_id)
+    llm_config = LLMConfig()
+    llm_config.device_id = args.device_id
+    llm_config.local_comm_res = ""
+    if role == LLMRole.PROMPT:
+        llm_config.listen_ip_info = f"{args.local_host_ip}:{PROMPT_PORT}"
+    else:
+        llm_config.listen_ip_info = f"{args.local_host_ip}:{DECODER_PORT}"
+    llm_options = llm_config.generate_options()
+    await datadist.init(llm_options)
+    logging.info(f"init {role} success, cluster_id={cluster_id}")
+    return datadist
+
+
+async def run_prompt_sample(datadist: LLMDataDist) -> None:
+    # 1. register memory
+    cache_manager = datadist.cache_manager
+    cache_desc = CacheDesc(
+        num_tensors=NUM_TENSORS,
+        shape=[BLOCKS_NUM, KV_SHAPE],
+        data_type=DataType.DT_FLOAT,
+        placement=Placement.DEVICE,
+    )
+    tensor = harness.pattern_tensor(P_SEED, 0, (BLOCKS_NUM, KV_SHAPE))  # was torch.full(0)
+    tensor2 = harness.pattern_tensor(P_SEED, 1, (BLOCKS_NUM, KV_SHAPE))
+    addr = int(tensor.ctypes.data)  # was tensor.data_ptr()
+    addr2 = int(tensor2.ctypes.data)
+    cache = cache_manager.register_cache(cache_desc, [addr, addr2])
+    logging.info("register_blocks_cache success")
+    dist.send(cache.cache_id)  # added: upstream's D assumes cache_id=1
+
+    await dist.abarrier()  # register end
+
+    # 2. wait for the decoder's push
+    await dist.abarrier()  # decoder push cache end
+
+    logging.info(f"after decoder push, tensor={tensor}")
+    logging.info(f"after decoder push, tensor2={tensor2}")
+    for t, arr in enumerate((tensor, tensor2)):  # added: the bytes, where upstream logs
+        harness.expect_blocks(
+            f"P tensor {t}", arr, [(D_SEED, t, 0), (P_SEED, t, 1), (P_SEED, t, 2)]
+        )
+    harness.verified("D pushed its row 0 into row 0 of P's cache, 2 tensors; rows 1, 2 untouched")
+
+    await dist.abarrier()  # wait unlink end
+
+    cache_manager.unregister_cache(cache.cache_id)
+    await datadist.finalize()
+    logging.info("[finalize] success")
+
+
+async def run_decoder_sample(
+    datadist: LLMDataDist, local_host_ip: str, remote_host_ip: str
+) -> None:
+    # 1. register memory
+    cache_manager = datadist.cache_manager
+    cache_desc = CacheDesc(
+        num_tensors=NUM_TENSORS,
+        shape=[BLOCKS_NUM, KV_SHAPE],
+        data_type=DataType.DT_FLOAT,
+        placement=Placement.DEVICE,
+    )
+    tensor = harness.pattern_tensor(D_SEED, 0, (BLOCKS_NUM, KV_SHAPE))  # was torch.full(1)
+    tensor2 = harness.pattern_tensor(D_SEED, 1, (BLOCKS_NUM, KV_SHAPE))
+    addr = int(tensor.ctypes.data)
+    addr2 = int(tensor2.ctypes.data)
+    cache = cache_manager.register_cache(cache_desc, [addr, addr2])
+    logging.info("register_blocks_cache success")
+    cache_id = await dist.arecv()  # added: P's cache id (upstream: the literal 1)
+    await dist.abarrier()  # register end
+
+    # 2. link to the prompt
+    cluster = LLMClusterInfo()
+    cluster.remote_cluster_id = PROMPT_CLUSTER_ID
+    cluster.append_local_ip_info(local_host_ip, DECODER_PORT)
+    cluster.append_remote_ip_info(remote_host_ip, PROMPT_PORT)
+    ret, _ = await datadist.link_clusters([cluster], 5000)
+    if ret != LLMStatusCode.LLM_SUCCESS:
+        raise Exception("link failed")
+
+    # 3. push the cache to the prompt
+    await cache_manager.push_cache(
+        CacheKeyByIdAndIndex(cluster_id=PROMPT_CLUSTER_ID, cache_id=cache_id, batch_index=0),
+        cache,
+        src_batch_index=0,
+    )
+
+    await dist.abarrier()  # push cache end
+
+    # 4. unlink
+    cluster = LLMClusterInfo()
+    cluster.remote_cluster_id = PROMPT_CLUSTER_ID
+    cluster.append_remote_ip_info(remote_host_ip, PROMPT_PORT)
+    ret, _ = await datadist.unlink_clusters([cluster], 5000)
+    if ret != LLMStatusCode.LLM_SUCCESS:
+        raise Exception("unlink failed")
+    await dist.abarrier()  # unlink end
+
+    cache_manager.unregister_cache(cache.cache_id)
+    await datadist.finalize()
+
+
+# -------------------------------------------------------------- in place of upstream's __main__
+
+
+async def prompt_main(args: argparse.Namespace) -> None:
+    datadist = await init_llm_datadist(LLMRole.PROMPT, PROMPT_CLUSTER_ID, args)
+    await run_prompt_sample(datadist)
+
+
+async def decoder_main(args: argparse.Namespace) -> None:
+    datadist = await init_llm_datadist(LLMRole.DECODER, DECODER_CLUSTER_ID, args)
+    await run_decoder_sample(datadist, args.local_host_ip, args.remote_host_ip)
+
+
+def main() -> int:
+    cli = harness.sample_parser(__doc__, sync=False).parse_args()
+    harness.assign_ports("PROMPT_PORT", "DECODER_PORT")
+    args = argparse.Namespace(
+        device_id=0, local_host_ip="127.0.0.1", remote_host_ip="127.0.0.1", loop=cli.loop
+    )
+    return harness.launch(
+        "push_cache_async",
+        [("P", prompt_main, args), ("D", decoder_main, args)],
+        expect_verified=1,
+        loop=cli.loop,
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
