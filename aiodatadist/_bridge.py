@@ -6,19 +6,39 @@ import asyncio
 import functools
 import inspect
 import logging
+import os
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, ParamSpec, Protocol, TypeVar, cast, overload
 
 from ._executor import quiesce
 from .errors import API_CONTEXT
 
-__all__ = ["bridged", "public"]
+__all__ = ["bridged", "note_home", "public"]
 
 log = logging.getLogger("aiodatadist.bridge")
 
 P = ParamSpec("P")
 R = TypeVar("R")
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+# The process each home loop belongs to (by id: loops live as long as their instances),
+# so a call on an instance made before a fork fails at once in the child instead of
+# waiting forever for a loop whose thread stayed in the parent.
+_HOME_PIDS: dict[int, int] = {}
+_PID = [os.getpid()]
+
+
+def _after_fork_in_child() -> None:
+    _PID[0] = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def note_home(loop: asyncio.AbstractEventLoop) -> None:
+    """Records that ``loop`` is a home loop of this process (``LLMDataDist.init``)."""
+    _HOME_PIDS[id(loop)] = _PID[0]
 
 
 class _HasHomeLoop(Protocol):
@@ -64,6 +84,12 @@ def bridged(
             running = asyncio.get_running_loop()
             if home is None or home is running:
                 return await fn(*args, **kwargs)
+            if _HOME_PIDS.get(id(home), _PID[0]) != _PID[0]:
+                # Its loop and threads stayed in the parent: nothing would ever run it.
+                raise RuntimeError(
+                    f"{fn.__name__}: this LLMDataDist was created before a fork; it is not "
+                    "usable in the child process (create a new instance there)"
+                )
             if home.is_closed() or not home.is_running():
                 raise RuntimeError(
                     f"{fn.__name__}: this LLMDataDist belongs to an event loop that is not "
@@ -150,6 +176,7 @@ def public(
     def decorate(fn: F) -> F:
         if inspect.iscoroutinefunction(fn):
 
+            @functools.wraps(fn)
             async def scoped(*args: Any, **kwargs: Any) -> Any:
                 token = API_CONTEXT.set(name)
                 try:

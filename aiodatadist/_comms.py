@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import hashlib
 import hmac
 import itertools
 import json
@@ -199,15 +200,47 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def lookup(cluster_id: int) -> tuple[str, int] | None:
-    """The published address of ``cluster_id``, or None (none, unreadable, or stale)."""
-    path = _trusted_rundir() / f"cluster-{cluster_id}.json"
+def default_link_total_time() -> int:
+    """Seconds a comm may take without ``llm.LinkTotalTime``: ``$HCCL_CONNECT_TIMEOUT``
+    when it is a positive integer (upstream's fallback), else 120."""
+    text = os.environ.get("HCCL_CONNECT_TIMEOUT", "")
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    return DEFAULT_LINK_TOTAL_TIME_S
+
+
+def comm_key(name: str, members: dict[int, int], table: RankTable) -> str:
+    """What names one comm on this host: its name, its ``cluster_rank_info`` and the rank
+    table's entries of its ranks (server, device id, device IP), hashed.
+
+    Every member computes the same key from ``link``'s identical arguments; two jobs
+    that reuse cluster ids (1 and 2, say) but differ in any of those never find each
+    other's listeners (upstream keeps them apart by device IP the same way).
+    """
+    ranks = sorted(members.items())
+    entries = [
+        (r, table.ranks[r].server_id, table.ranks[r].device_id, table.ranks[r].device_ip)
+        for _, r in ranks
+    ]
+    text = json.dumps([name, ranks, entries], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _file_name(key: str, cluster_id: int) -> str:
+    return f"comm-{key}-cluster-{cluster_id}.json"
+
+
+def lookup(key: str, cluster_id: int) -> tuple[str, int] | None:
+    """The address ``cluster_id`` published for the comm ``key``, or None (none,
+    unreadable, stale, or written for another comm)."""
+    path = _trusted_rundir() / _file_name(key, cluster_id)
     try:
         doc = json.loads(path.read_text())
         host, port, pid = str(doc["host"]), int(doc["port"]), int(doc["pid"])
+        comm = str(doc["comm"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if pid <= 0 or not _pid_alive(pid) or not 0 < port < 65536:
+    if comm != key or pid <= 0 or not _pid_alive(pid) or not 0 < port < 65536:
         return None
     return host, port
 
@@ -221,7 +254,8 @@ class Listening:
         self.rt = rt
         self.server: ControlServer | None = None
         self.configured = False
-        self._published: tuple[Path, str] | None = None
+        # Our rendezvous files, by comm key: (path, body).
+        self._published: dict[str, tuple[Path, str]] = {}
         self._lock = asyncio.Lock()
 
     @property
@@ -263,8 +297,8 @@ class Listening:
                     await self.start(*before, configured=configured)
             raise
 
-    async def ensure(self, want: tuple[str, int] | None) -> None:
-        """A running server (at ``want`` when given), published for the rendezvous.
+    async def ensure(self, want: tuple[str, int] | None, key: str) -> None:
+        """A running server (at ``want`` when given), published for the comm ``key``.
 
         Raises:
             LLMException: LLM_FAILED (listening elsewhere, untrusted directory),
@@ -279,33 +313,36 @@ class Listening:
                     LLMStatusCode.LLM_FAILED,
                     f"this instance listens at {self.address}, the rank table says {want}",
                 )
-            if self._published is None:
-                self._publish()
+            if key not in self._published:
+                self._publish(key)
 
-    def _publish(self) -> None:
+    def _publish(self, key: str) -> None:
         assert self.server is not None
         folder = _trusted_rundir()
         host, port = self.server.address
         if host in ("0.0.0.0", "::"):
             host = "127.0.0.1"
-        body = json.dumps({"host": host, "port": port, "pid": os.getpid()})
-        name = f"cluster-{self.rt.cluster_id}.json"
+        body = json.dumps({"host": host, "port": port, "pid": os.getpid(), "comm": key})
+        name = _file_name(key, self.rt.cluster_id)
         tmp = folder / f".{name}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(body)
         os.replace(tmp, folder / name)
-        self._published = (folder / name, body)
+        self._published[key] = (folder / name, body)
 
-    def unpublish(self) -> None:
-        """Removes our rendezvous file (only if it is still ours)."""
-        published, self._published = self._published, None
-        if published is None:
-            return
-        path, body = published
-        with contextlib.suppress(OSError):
-            if path.read_text() == body:
-                path.unlink()
+    def unpublish(self, key: str | None = None) -> None:
+        """Removes our rendezvous file of comm ``key`` (every one when None), only
+        where it is still ours."""
+        keys = list(self._published) if key is None else [key]
+        for k in keys:
+            published = self._published.pop(k, None)
+            if published is None:
+                continue
+            path, body = published
+            with contextlib.suppress(OSError):
+                if path.read_text() == body:
+                    path.unlink()
 
     async def release(self) -> None:
         """No comm needs the server any more: unpublished, and stopped unless it was
@@ -330,6 +367,7 @@ class Comm:
         self.members = members
         self.table = table
         self.me = me
+        self.key = comm_key(name, members, table)
         self.links: dict[int, Link] = {}
         self.ok = False
         self.failed: str | None = None
@@ -428,7 +466,7 @@ class Comms:
         comm = Comm(next(self._ids), name, dict(members), table, me)
         self._comms[comm.comm_id] = comm
         _join(comm, rt.cluster_id)
-        total = rt.options.link_total_time_s or DEFAULT_LINK_TOTAL_TIME_S
+        total = rt.options.link_total_time_s or default_link_total_time()
         deadline = rt.loop.time() + total
         comm.task = rt.loop.create_task(
             self._establish(comm, deadline),
@@ -466,6 +504,7 @@ class Comms:
             return
         log.warning("comm %r (id %d) failed: %s", comm.name, comm.comm_id, comm.failed)
         _leave(comm, self.rt.cluster_id)  # an in-process member calling late must not join it
+        self.listening.unpublish(comm.key)
         stop = loop.time() + _FAILED_CLOSE_S
         for link in list(comm.links.values()):
             await drop_link(self.rt, link, deadline=stop)
@@ -494,7 +533,7 @@ class Comms:
             return rt.links.get(cid)
         delay = _BACKOFF_FIRST_S
         while True:
-            address = entry.listen if entry.listen is not None else lookup(cid)
+            address = entry.listen if entry.listen is not None else lookup(comm.key, cid)
             if address is not None:
                 remaining = max(0.001, deadline - rt.loop.time())
                 try:
@@ -519,7 +558,7 @@ class Comms:
             and inproc_runtime(connector, rt.cluster_id) is rt
         )
         if mine.listen is not None or not inproc:
-            await self.listening.ensure(mine.listen)
+            await self.listening.ensure(mine.listen, comm.key)
         return await rt.links.wait_for(cid, deadline)
 
     def status(self, comm_id: int) -> RegisterMemStatus:
@@ -530,6 +569,7 @@ class Comms:
         comm = self.get(comm_id)
         del self._comms[comm_id]
         _leave(comm, self.rt.cluster_id)
+        self.listening.unpublish(comm.key)
         await self._stop_task(comm)
         for link in list(comm.links.values()):
             if link.state is not LinkState.ACTIVE:

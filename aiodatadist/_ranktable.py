@@ -31,15 +31,18 @@ applies:
    once both have called ``link`` with the same ``comm_name`` and ``cluster_rank_info``.
 3. Otherwise, the same-host rendezvous directory: the lower rank starts a listener on
    ``127.0.0.1`` port 0 if it has none, and the higher rank reads the lower rank's
-   ``cluster-<id>.json`` (``{"host", "port", "pid"}``), retrying with a bounded backoff
-   (20 ms doubling to 500 ms) until it appears, within the link deadline.
+   ``comm-<key>-cluster-<id>.json`` (``{"host", "port", "pid", "comm"}``), retrying with
+   a bounded backoff (20 ms doubling to 500 ms) until it appears, within the link
+   deadline. ``<key>`` hashes the comm's name, its ``cluster_rank_info`` and the rank
+   table's entries of its ranks (server id, device id, device IP): two jobs on one host
+   that reuse cluster ids but not device entries (or names) never find each other.
 
 The directory is ``$AIODATADIST_RUNDIR``, else ``$XDG_RUNTIME_DIR/aiodatadist``, else
 ``/tmp/aiodatadist-<uid>``; it is created mode 0700 and refused (the comm FAILS, with a
 log) unless it is a directory owned by this user with no group/other write. Every member
-that listens for a comm (rules 1 and 3) publishes its file there (written atomically,
+that listens for a comm (rules 1 and 3) publishes one file per comm there (written atomically,
 tmp + rename, mode 0600); a file whose pid is not alive is ignored (stale).
-The file goes when its instance unlinks its last comm, finalizes, or stops its listener
+A file goes when its comm is unlinked or fails, or its instance finalizes or stops its listener
 (``switch_role``); a listener a comm started stops then too, unless it was configured
 (``llm.listenIpInfo``) or still serves other links.
 

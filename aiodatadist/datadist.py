@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 
 from . import _comms
-from ._bridge import bridged, public
+from ._bridge import bridged, note_home, public
 from ._comms import Comms, Listening, drop_link, inproc_runtime, link_inproc
 from ._control import ControlServer, link_to
 from ._ranktable import parse_rank_table
@@ -176,6 +176,7 @@ class LLMDataDist:
                         "initialized instance in this process",
                     )
                 rt = Runtime(self._cluster_id, self._role, opts, asyncio.get_running_loop())
+                note_home(rt.loop)
                 listening = Listening(rt)
                 if opts.listen_ip is not None:
                     try:
@@ -271,8 +272,16 @@ class LLMDataDist:
             return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, [
                 LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
             ] * len(infos)
-        results = await asyncio.gather(*(self._link_one(rt, c, timeout) for c in infos))
-        return _overall(results), list(results)
+        # A cluster named twice in one call is linked once; the repeats are ALREADY_LINK.
+        first: dict[int | None, int] = {}
+        for i, c in enumerate(infos):
+            first.setdefault(c.remote_cluster_id, i)
+        unique = [i for i, c in enumerate(infos) if first[c.remote_cluster_id] == i]
+        linked = await asyncio.gather(*(self._link_one(rt, infos[i], timeout) for i in unique))
+        results = [LLMStatusCode.LLM_ALREADY_LINK] * len(infos)
+        for i, code in zip(unique, linked, strict=True):
+            results[i] = code
+        return _overall(results), results
 
     async def _link_one(self, rt: Runtime, info: LLMClusterInfo, timeout_ms: int) -> LLMStatusCode:
         remote_id = info.remote_cluster_id

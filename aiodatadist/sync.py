@@ -427,6 +427,19 @@ def _finalize_live(bound: float | None = None) -> None:
         bound = max(dd.options.finalize_timeout_ms for dd in live) / 1000 + _EXIT_SLACK_S
 
     async def finalize_all() -> None:
+        # Pushes still running (transfer_cache_async) finish first, as upstream's push
+        # threads keep the interpreter alive until they end; bounded, then finalize
+        # cancels what is left.
+        pushing = [
+            t
+            for dd in live
+            if dd.is_initialized
+            for t in dd.cache_manager._pipelines.tasks
+            if not t.done()
+        ]
+        if pushing:
+            log.info("exit: waiting for %d transfer_cache_async task(s)", len(pushing))
+            await asyncio.wait(pushing, timeout=bound)
         tasks = [asyncio.ensure_future(dd.finalize()) for dd in live]
         done, pending = await asyncio.wait(tasks, timeout=bound)
         for t in pending:

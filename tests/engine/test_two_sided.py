@@ -224,17 +224,20 @@ async def test_rendezvous_route_in_one_process(rundir: Path) -> None:
         # The higher rank first: it waits (backing off) for the lower rank's file.
         id_b = await b.link("rdv", members, table)
         await asyncio.sleep(0.1)
-        assert not os.path.exists(rundir / "cluster-5131.json")  # noqa: ASYNC240 (tmpfs)
+        assert not list(rundir.glob("*cluster-5131.json"))
         id_a = await a.link("rdv", members, table)
         assert await wait_status(a, id_a) is RegisterMemStatus.OK
         assert await wait_status(b, id_b) is RegisterMemStatus.OK
-        published = json.loads((rundir / "cluster-5131.json").read_text())
+        (path,) = rundir.glob("comm-*-cluster-5131.json")
+        published = json.loads(path.read_text())
+        key = published.pop("comm")
+        assert path.name == f"comm-{key}-cluster-5131.json"
         assert published == {"host": "127.0.0.1", "port": a.listen_address[1], "pid": os.getpid()}
         assert os.stat(rundir).st_mode & 0o777 == 0o700
         await pull_both_ways(a, b, *seeds)
         await b.unlink(id_b)
         await a.unlink(id_a)
-        assert not (rundir / "cluster-5131.json").exists()  # removed with its last comm
+        assert not path.exists()  # removed with its comm
         assert a.listen_address is None
     finally:
         await finalize(a, b)
@@ -432,7 +435,8 @@ async def test_finalize_and_unlink_end_establishment(rundir: Path) -> None:
         await asyncio.sleep(0.05)
         assert len(comm_tasks()) == 2
         assert a.query_register_mem_status(looking) is RegisterMemStatus.PREPARING
-        assert os.listdir(rundir) == ["cluster-5171.json"]  # we accept for "wait"
+        (name,) = os.listdir(rundir)  # we accept for "wait"
+        assert name.startswith("comm-") and name.endswith("-cluster-5171.json")
         await a.unlink(waiting)
         assert len(comm_tasks()) == 1
     finally:
@@ -481,3 +485,44 @@ async def test_a_refused_handshake_fails_the_connecting_side() -> None:
         await b.unlink(ids[1])
     finally:
         await finalize(a, b)
+
+
+async def test_rendezvous_keeps_other_jobs_apart(rundir: Path) -> None:
+    # Two jobs on one host reusing cluster ids: the rendezvous file is keyed by the comm
+    # (name, cluster_rank_info, the ranks' device entries), so a member of one job never
+    # finds, and never links to, the other job's listener.
+    opts = {"aiodatadist.DataPath": "tcp", "llm.LinkTotalTime": "1"}
+    a, b = LLMDataDist(LLMRole.MIX, 5181, opts), LLMDataDist(LLMRole.MIX, 5182, opts)
+    await started(a, b)
+    try:
+        members = {a.cluster_id: 0, b.cluster_id: 1}
+        theirs = rank_table([0, 1]).replace("192.168.1.", "192.168.9.")  # other devices
+        id_a = await a.link("pd_comm", members, rank_table([0, 1]))
+        id_b = await b.link("pd_comm", members, theirs)
+        assert await wait_status(b, id_b) is RegisterMemStatus.FAILED
+        assert await wait_status(a, id_a) is RegisterMemStatus.FAILED
+        assert b.links == [] and a.links == []
+        await a.unlink(id_a)
+        await b.unlink(id_b)
+        assert os.listdir(rundir) == []
+        # The same job (identical arguments) does find itself.
+        id_a = await a.link("pd_comm", members, rank_table([0, 1]))
+        id_b = await b.link("pd_comm", members, rank_table([0, 1]))
+        assert await wait_status(b, id_b) is RegisterMemStatus.OK
+        assert await wait_status(a, id_a) is RegisterMemStatus.OK
+    finally:
+        await finalize(a, b)
+
+
+async def test_hccl_connect_timeout_is_the_default_deadline(
+    rundir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without llm.LinkTotalTime, upstream falls back to $HCCL_CONNECT_TIMEOUT (seconds).
+    monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "1")
+    async with LLMDataDist(LLMRole.MIX, 5191) as a:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        comm = await a.link("never", {5191: 0, 5192: 1}, rank_table([0, 1]))
+        assert await wait_status(a, comm, bound=10) is RegisterMemStatus.FAILED
+        assert 0.5 <= loop.time() - start < 5
+        await a.unlink(comm)

@@ -96,3 +96,24 @@ async def test_check_link_status() -> None:
     finally:
         await d.finalize()
         await p.finalize()
+
+
+@pytest.mark.parametrize("route", ["inproc", "tcp"])
+async def test_a_cluster_named_twice_in_one_link_call(route: str) -> None:
+    # Linked once; the repeat answers LLM_ALREADY_LINK (not a second handshake the peer
+    # refuses), and the link works.
+    opts = {"aiodatadist.DataPath": "tcp"} if route == "tcp" else {}
+    listen = {"llm.listenIpInfo": "127.0.0.1:0"} if route == "tcp" else {}
+    async with LLMDataDist(LLMRole.PROMPT, 6121, {**opts, **listen}) as p:
+        async with LLMDataDist(LLMRole.DECODER, 6122, opts) as d:
+            seed = 0x6121
+            make_blocks_cache(
+                p, num_tensors=2, num_blocks=4, block_shape=BLOCK, model_id=0, seed=seed,
+                pattern=True,
+            )
+            info = remote(6121, p.listen_address) if route == "tcp" else cluster_info(6121)
+            status, each = await d.link_clusters([info, info], timeout=3000)
+            assert each == [S.LLM_SUCCESS, S.LLM_ALREADY_LINK]
+            assert status == S.LLM_ALREADY_LINK
+            assert [link.remote_cluster_id for link in d.links] == [6121]
+            await pull_checked(d, p, seed)

@@ -199,3 +199,91 @@ def test_a_forked_child_gets_its_own_portal() -> None:
     assert out.returncode == 0, out
     assert out.stdout.splitlines() == ["child 0", "parent ok"], out
     assert out.stderr == "", out.stderr
+
+
+FORKED_INSTANCE_SCRIPT = textwrap.dedent("""
+    import os, time
+    import aiodatadist.sync as sd
+    from aiodatadist.testing import cluster_info
+
+    d = sd.LLMDataDist(sd.LLMRole.DECODER, 21)
+    d.init()
+    pid = os.fork()
+    if pid == 0:   # the parent's instance: its loop stayed in the parent
+        codes = []
+        for call in (lambda: d.link_clusters([cluster_info(20)]),
+                     lambda: d.unlink_clusters([cluster_info(20)], force=True),
+                     d.finalize):
+            t0 = time.monotonic()
+            try:
+                call()
+                codes.append("returned")
+            except RuntimeError as e:
+                ok = "before a fork" in str(e) and time.monotonic() - t0 < 5
+                codes.append("refused" if ok else repr(e))
+        print(" ".join(codes), flush=True)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("child", os.waitstatus_to_exitcode(status), flush=True)
+    d.finalize()   # the parent's instance is untouched
+    print("parent ok", flush=True)
+""")
+
+
+@pytest.mark.slow  # a child interpreter that forks
+def test_an_instance_made_before_fork_is_refused_in_the_child() -> None:
+    # Not a hang: a call on the parent's instance fails at once in the child.
+    out = subprocess.run(
+        python_argv("-c", FORKED_INSTANCE_SCRIPT), env=python_env(), capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out
+    assert out.stdout.splitlines() == ["refused refused refused", "child 0", "parent ok"], out
+
+
+PUSH_AT_EXIT_SCRIPT = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    import aiodatadist.sync as sd
+    from aiodatadist.testing import cluster_info
+
+    path = sys.argv[1]
+    p = sd.LLMDataDist(sd.LLMRole.PROMPT, 31)
+    d = sd.LLMDataDist(sd.LLMRole.DECODER, 32)
+    p.init()
+    d.init()
+    desc = sd.CacheDesc(2, [4, 4096], sd.DataType.DT_UINT8, sd.Placement.DEVICE)
+    src = [np.full((4, 4096), 0x31 + t, np.uint8) for t in range(2)]
+    # The decoder's cache is a file mapping, so the test can read it after this exits.
+    dst = [np.memmap(path, np.uint8, "r+", offset=t * 4 * 4096, shape=(4, 4096)) for t in range(2)]
+    sc = p.cache_manager.register_blocks_cache(desc, src)
+    d.cache_manager.register_blocks_cache(desc, dst, sd.BlocksCacheKey(32, 0))
+    assert p.link_clusters([cluster_info(32)])[0] == 0
+
+    class Slow(sd.LayerSynchronizer):
+        def synchronize_layer(self, layer_index, timeout_in_millis):
+            time.sleep(0.3)  # the forward pass of this layer
+            return True
+
+    config = sd.TransferWithCacheKeyConfig(sd.BlocksCacheKey(32, 0), range(0, 1), range(0, 1))
+    p.cache_manager.transfer_cache_async(sc, Slow(), [config], [0, 1, 2, 3], [3, 2, 1, 0])
+    print("exiting", flush=True)   # no synchronize, no finalize
+""")
+
+
+@pytest.mark.slow  # a child interpreter
+def test_a_push_in_flight_at_exit_completes(tmp_path) -> None:
+    # Upstream's push thread keeps the interpreter alive until it ends: the exit hook waits
+    # for running transfer_cache_async tasks (bounded), then finalizes.
+    path = tmp_path / "decoder.bin"
+    path.write_bytes(bytes(2 * 4 * 4096))
+    out = subprocess.run(
+        python_argv("-c", PUSH_AT_EXIT_SCRIPT, str(path)), env=python_env(),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "exiting", out
+    data = path.read_bytes()
+    for t in range(2):
+        for block in range(4):
+            start = (t * 4 + block) * 4096
+            assert data[start : start + 4096] == bytes([0x31 + t]) * 4096, (t, block)

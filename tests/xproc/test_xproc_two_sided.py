@@ -54,8 +54,8 @@ def free_port() -> int:
 
 
 def rendezvous_file(rundir: Path, cluster_id: int) -> dict[str, Any] | None:
-    path = rundir / f"cluster-{cluster_id}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    paths = list(rundir.glob(f"comm-*-cluster-{cluster_id}.json"))
+    return json.loads(paths[0].read_text()) if paths else None
 
 
 async def local_status(dd: LLMDataDist, comm_id: int) -> RegisterMemStatus:
