@@ -22,7 +22,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Literal, NoReturn, overload
 
-from .errors import LLMException, LLMParamError, LLMStatusCode
+from .errors import (
+    API_CONTEXT,
+    API_CONTEXT_NONE,
+    LLMException,
+    LLMParamError,
+    LLMStatusCode,
+    format_error,
+)
 
 __all__ = [
     "INT32_MAX",
@@ -70,9 +77,18 @@ def type_name(value: object) -> str:
     return type(value).__name__
 
 
+def _message(message: str, status_code: LLMStatusCode) -> str:
+    # Inside a public call, upstream's shape ("[pull_blocks] failed, error code is
+    # LLMStatusCode.LLM_PARAM_INVALID, <message>."): clients match on it. Outside one (a
+    # CacheDesc, an LLMConfig attribute), the plain message, as upstream's raise_if_false.
+    api = API_CONTEXT.get()
+    return message if api == API_CONTEXT_NONE else format_error(api, status_code, message)
+
+
 def raise_param_error(message: str) -> NoReturn:
-    """Raise :class:`LLMParamError` (``LLM_PARAM_INVALID``, a ``ValueError``) with ``message``."""
-    raise LLMParamError(message)
+    """Raise :class:`LLMParamError` (``LLM_PARAM_INVALID``, a ``ValueError``) with ``message``
+    (in upstream's "[api] failed, error code is ..." shape inside a public call)."""
+    raise LLMParamError(_message(message, LLMStatusCode.LLM_PARAM_INVALID))
 
 
 def require(
@@ -89,7 +105,7 @@ def require(
         LLMException: ``condition`` is false.
     """
     if not condition:
-        raise LLMException(message, status_code=status_code)
+        raise LLMException(_message(message, status_code), status_code=status_code)
 
 
 def _is_bool(value: object) -> bool:

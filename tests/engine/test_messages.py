@@ -7,6 +7,8 @@ import pytest
 
 from aiodatadist import (
     BlocksCacheKey,
+    CacheDesc,
+    DataType,
     LLMCacheNotFoundError,
     LLMLinkError,
     LLMParamError,
@@ -63,3 +65,19 @@ async def test_real_calls_carry_their_api_name(pair: Pair) -> None:
         "[push_blocks] failed, error code is LLMStatusCode.LLM_PARAM_INVALID, "
         "cannot push to this instance's own cluster_id 2."
     )
+
+
+@pytest.mark.asyncio
+async def test_argument_errors_of_a_call_carry_it_too(pair: Pair) -> None:
+    # Upstream checks these natively, so its clients see "[pull_blocks] failed, ..." and
+    # match on it; a value type's own check (outside any call) keeps the plain message.
+    src = pair.decoder_cache(seed=2, num_tensors=2, num_blocks=4, block_shape=(16, 2, 64))
+    cm = pair.decoder.cache_manager
+    prefix = "[pull_blocks] failed, error code is LLMStatusCode.LLM_PARAM_INVALID, "
+    for src_blocks, dst_blocks in (([0, 1], [0]), ([0], [9])):
+        with pytest.raises(LLMParamError) as info:
+            await cm.pull_blocks(BlocksCacheKey(1, 0), src.cache, src_blocks, dst_blocks)
+        assert str(info.value).startswith(prefix), str(info.value)
+    with pytest.raises(LLMParamError) as plain:
+        CacheDesc(1, [4, 16], DataType.DT_FLOAT16, batch_dim_index=5)
+    assert "failed, error code is" not in str(plain.value)
