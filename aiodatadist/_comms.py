@@ -15,19 +15,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import hashlib
 import hmac
 import itertools
 import json
 import logging
 import os
-import stat
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._control import ControlServer, link_to
 from ._ranktable import RankTable
+from ._rendezvous import (
+    DEFAULT_LINK_TOTAL_TIME_S,
+    comm_key,
+    default_link_total_time,
+    file_name,
+    lookup,
+    rundir,
+    trusted_rundir,
+)
 from .config import DataPath
 from .errors import API_CONTEXT, LLMException, LLMStatusCode, failure
 from .links import Link, LinkState, Unreachable, _FifoSlot
@@ -53,8 +60,6 @@ __all__ = [
 
 log = logging.getLogger("aiodatadist.comms")
 
-DEFAULT_LINK_TOTAL_TIME_S = 120
-"""A comm's deadline when ``llm.LinkTotalTime`` is not set (upstream's HCCL_CONNECT_TIMEOUT)."""
 MAX_COMMS = 512
 _BACKOFF_FIRST_S = 0.02
 _BACKOFF_MAX_S = 0.5
@@ -153,98 +158,6 @@ async def drop_link(
             link.slot.release()
 
 
-# ------------------------------------------------------------------ rendezvous
-
-
-def rundir() -> Path:
-    """The same-host rendezvous directory (see :mod:`aiodatadist._ranktable`)."""
-    if os.environ.get("AIODATADIST_RUNDIR"):
-        return Path(os.environ["AIODATADIST_RUNDIR"])
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        return Path(os.environ["XDG_RUNTIME_DIR"]) / "aiodatadist"
-    return Path(f"/tmp/aiodatadist-{os.getuid()}")
-
-
-def _trusted_rundir() -> Path:
-    """The rendezvous directory, created 0700 if missing.
-
-    Raises:
-        LLMException: LLM_FAILED when it is not a directory of ours without
-            group/other write (someone else could plant addresses in it).
-    """
-    path = rundir()
-    with contextlib.suppress(FileExistsError):
-        os.makedirs(path, mode=0o700)
-    try:
-        st = os.lstat(path)
-    except OSError as e:
-        raise failure(LLMStatusCode.LLM_FAILED, f"rendezvous directory {path}: {e}") from e
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        why = (
-            f"refusing the rendezvous directory {path}: it must be a directory owned by "
-            f"uid {os.getuid()} with no group/other write (mode {stat.filemode(st.st_mode)}, "
-            f"owner {st.st_uid})"
-        )
-        log.error("%s", why)
-        raise failure(LLMStatusCode.LLM_FAILED, why)
-    return path
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def default_link_total_time() -> int:
-    """Seconds a comm may take without ``llm.LinkTotalTime``: ``$HCCL_CONNECT_TIMEOUT``
-    when it is a positive integer (upstream's fallback), else 120."""
-    text = os.environ.get("HCCL_CONNECT_TIMEOUT", "")
-    if text.isdigit() and int(text) > 0:
-        return int(text)
-    return DEFAULT_LINK_TOTAL_TIME_S
-
-
-def comm_key(name: str, members: dict[int, int], table: RankTable) -> str:
-    """What names one comm on this host: its name, its ``cluster_rank_info`` and the rank
-    table's entries of its ranks (server, device id, device IP), hashed.
-
-    Every member computes the same key from ``link``'s identical arguments; two jobs
-    that reuse cluster ids (1 and 2, say) but differ in any of those never find each
-    other's listeners (upstream keeps them apart by device IP the same way).
-    """
-    ranks = sorted(members.items())
-    entries = [
-        (r, table.ranks[r].server_id, table.ranks[r].device_id, table.ranks[r].device_ip)
-        for _, r in ranks
-    ]
-    text = json.dumps([name, ranks, entries], separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def _file_name(key: str, cluster_id: int) -> str:
-    return f"comm-{key}-cluster-{cluster_id}.json"
-
-
-def lookup(key: str, cluster_id: int) -> tuple[str, int] | None:
-    """The address ``cluster_id`` published for the comm ``key``, or None (none,
-    unreadable, stale, or written for another comm)."""
-    path = _trusted_rundir() / _file_name(key, cluster_id)
-    try:
-        doc = json.loads(path.read_text())
-        host, port, pid = str(doc["host"]), int(doc["port"]), int(doc["pid"])
-        comm = str(doc["comm"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if comm != key or pid <= 0 or not _pid_alive(pid) or not 0 < port < 65536:
-        return None
-    return host, port
-
-
 class Listening:
     """The instance's link server: started by ``llm.listenIpInfo`` (configured), by a
     comm that must accept links, or by ``switch_role``; published for the rendezvous
@@ -318,12 +231,12 @@ class Listening:
 
     def _publish(self, key: str) -> None:
         assert self.server is not None
-        folder = _trusted_rundir()
+        folder = trusted_rundir()
         host, port = self.server.address
         if host in ("0.0.0.0", "::"):
             host = "127.0.0.1"
         body = json.dumps({"host": host, "port": port, "pid": os.getpid(), "comm": key})
-        name = _file_name(key, self.rt.cluster_id)
+        name = file_name(key, self.rt.cluster_id)
         tmp = folder / f".{name}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
