@@ -108,7 +108,12 @@ async def test_a_cluster_named_twice_in_one_link_call(route: str) -> None:
         async with LLMDataDist(LLMRole.DECODER, 6122, opts) as d:
             seed = 0x6121
             make_blocks_cache(
-                p, num_tensors=2, num_blocks=4, block_shape=BLOCK, model_id=0, seed=seed,
+                p,
+                num_tensors=2,
+                num_blocks=4,
+                block_shape=BLOCK,
+                model_id=0,
+                seed=seed,
                 pattern=True,
             )
             info = remote(6121, p.listen_address) if route == "tcp" else cluster_info(6121)
