@@ -31,6 +31,7 @@ from ._checks import (
     pull_names,
     pull_request,
 )
+from ._cm_layerwise import LayerwiseMixin
 from ._cm_local import LocalMixin
 from ._cm_push import PushMixin
 from ._pipeline import (
@@ -63,7 +64,7 @@ __all__ = ["CacheManager", "CacheTask"]
 CacheTask.__module__ = __name__
 
 
-class CacheManager(PushMixin, LocalMixin):
+class CacheManager(PushMixin, LocalMixin, LayerwiseMixin):
     """Registers caches and moves blocks between this instance and its linked peers.
 
     Obtained as ``LLMDataDist.cache_manager`` (alias ``kv_cache_manager``).

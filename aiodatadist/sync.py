@@ -220,6 +220,56 @@ async def _stop_task(task: _acm.CacheTask) -> None:
     await task.cancel()
 
 
+async def _next_layer(stream: Any) -> Any:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:  # not carried across threads: None ends the iteration
+        return None
+
+
+class LayerIterator:
+    """What the blocking ``pull_blocks_layerwise`` returns: the layers as they land.
+
+    ``for layer in it`` (or ``with ... as it: for layer in it``); each step is one portal
+    call that blocks until that layer's bytes have landed, while the next layers move.
+    ``close()`` (or leaving the ``with``) aborts what is in flight and returns once its
+    native jobs have; a dropped iterator aborts when collected. ``.aio`` is the async
+    ``LayerStream``; the semantics are its own.
+    """
+
+    __slots__ = ("_aio",)
+
+    def __init__(self, stream: Any) -> None:
+        self._aio = stream
+
+    @property
+    def aio(self) -> Any:
+        """The async ``LayerStream`` underneath."""
+        return self._aio
+
+    def __iter__(self) -> LayerIterator:
+        return self
+
+    def __next__(self) -> Any:
+        layer = portal.call(_next_layer, (self._aio,))
+        if layer is None:
+            raise StopIteration
+        return layer
+
+    def __len__(self) -> int:
+        return len(self._aio)
+
+    def close(self) -> None:
+        """Aborts the layers in flight; returns once their native jobs have returned."""
+        portal.call(self._aio.aclose)
+
+    def __enter__(self) -> LayerIterator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 # --------------------------------------------------------------------- CacheManager
 
 
@@ -260,6 +310,7 @@ class CacheManager:
     transfer_cache_async = _blocking(
         "transfer_cache_async", _src, on_abandoned=_stop_task, wrap=CacheTask
     )
+    pull_blocks_layerwise = _blocking("pull_blocks_layerwise", _src, wrap=LayerIterator)
     del _src
 
     __getattr__ = _blocking_getattr

@@ -1,0 +1,227 @@
+"""Layer-by-layer streaming against one ``pull_blocks`` of the same blocks, same run.
+
+    .venv/bin/python bench/bench_layerwise.py [--paths inproc,shm,cma,tcp] [--rounds 3]
+        [--repeats 7] [--blocks 16] [--depth 2] [--json PATH]
+
+Workload ``llama8b-fp16`` (32 layers x K,V = 64 tensors of 256 KiB blocks): ``--blocks``
+blocks (default 16, shuffled, non-contiguous pairing) of every layer, from a prompt in
+another process (``shm``: its cache allocated in shared memory; ``cma`` / ``tcp``: its
+cache registered) or in this one (``inproc``). Per path, the two transfers alternate
+(ABBA) ``--repeats`` times per round, ``--rounds`` rounds:
+
+* ``pull``: ``await cm.pull_blocks(key, dst, src_blocks, dst_blocks)`` (the baseline);
+* ``layerwise``: ``async for layer in cm.pull_blocks_layerwise(...)``, an empty body;
+  ``whole`` = call to the last layer, ``first`` = call to the first layer.
+
+Goals (issue 13, item 3): ``whole`` <= 1.05x ``pull`` (judged on the median of the
+per-pair ratios), ``first`` <= ``pull / layers + 100 us``. Every figure is printed with
+its p10-p90 band (min-max below 10 samples); a ``WARNING`` line says when the round
+medians of a figure disagree by more than 20%. The bytes of both transfers are checked
+against the prompt's pattern after the first pair of each path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+from workloads import WORKLOADS
+
+from aiodatadist.cli.stats import disagree_warning, fmt, fmt_load, load_average, summarize
+from aiodatadist.testing import (
+    PromptSpec,
+    inproc_pair,
+    make_blocks_cache,
+    pattern_mismatches,
+    remote_pair,
+)
+
+W = WORKLOADS["llama8b-fp16"]
+SEED = 0x1A7E
+FIRST_SLACK_MS = 0.1  # the goal's + 100 us
+
+
+class Side:
+    """A linked decoder and what it pulls from: ``key``, ``dst``, the check."""
+
+    def __init__(self, decoder: Any, key: Any, dst: Any, seed: int) -> None:
+        self.decoder, self.key, self.dst, self.seed = decoder, key, dst, seed
+
+
+async def _open(stack: AsyncExitStack, path: str, nblocks: int) -> Side:
+    shape = {"num_tensors": W.num_tensors, "block_shape": tuple(W.block_shape)}
+    if path == "inproc":
+        pair = await stack.enter_async_context(inproc_pair())
+        make_blocks_cache(
+            pair.prompt, model_id=0, seed=SEED, pattern=True, num_blocks=nblocks, **shape
+        )
+        dst = make_blocks_cache(pair.decoder, num_blocks=nblocks, **shape)
+        return Side(pair.decoder, pair.key(), dst, SEED)
+    spec = PromptSpec(
+        num_tensors=W.num_tensors,
+        num_blocks=nblocks,
+        block_shape=tuple(W.block_shape),
+        dtype="fp16",
+        seed=SEED,
+        allocate=(path == "shm"),
+    )
+    rp = await stack.enter_async_context(remote_pair(spec, data_path=path))
+    link = rp.decoder._rt.links.find(rp.prompt_id)
+    if link is None or link.data_path != path:
+        raise SystemExit(f"{path}: the link uses {getattr(link, 'data_path', None)}")
+    return Side(rp.decoder, rp.key(), rp.decoder_cache(), SEED)
+
+
+def _check(side: Side, sb: list[int], db: list[int], what: str) -> None:
+    bad = pattern_mismatches(side.dst.tensors, sb, db, side.seed)
+    if bad:
+        raise SystemExit(f"{what}: wrong bytes: {bad[0]}")
+    for t in side.dst.tensors:  # clear, so the next check sees this transfer's bytes only
+        t.view("uint8")[...] = 0
+
+
+async def _pull(side: Side, sb: list[int], db: list[int]) -> float:
+    t0 = time.perf_counter()
+    await side.decoder.cache_manager.pull_blocks(side.key, side.dst.cache, sb, db)
+    return (time.perf_counter() - t0) * 1e3
+
+
+async def _layerwise(side: Side, sb: list[int], db: list[int], depth: int) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    first = -1.0
+    async for _ in side.decoder.cache_manager.pull_blocks_layerwise(
+        side.key, side.dst.cache, sb, db, depth=depth
+    ):
+        if first < 0:
+            first = time.perf_counter() - t0
+    return first * 1e3, (time.perf_counter() - t0) * 1e3
+
+
+async def measure(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    n = args.blocks
+    rng = random.Random(SEED)
+    sb, db = rng.sample(range(n), n), rng.sample(range(n), n)
+    layers = W.num_tensors // 2
+    async with AsyncExitStack() as stack:
+        side = await _open(stack, path, n)
+        await _pull(side, sb, db)
+        _check(side, sb, db, f"{path} pull")
+        await _layerwise(side, sb, db, args.depth)
+        _check(side, sb, db, f"{path} layerwise")
+        pulls: list[list[float]] = []
+        wholes: list[list[float]] = []
+        firsts: list[list[float]] = []
+        ratios: list[list[float]] = []
+        for _ in range(args.rounds):
+            p_r, w_r, f_r, r_r = [], [], [], []
+            for i in range(args.repeats):
+                if i % 2 == 0:  # ABBA
+                    p = await _pull(side, sb, db)
+                    f, w = await _layerwise(side, sb, db, args.depth)
+                else:
+                    f, w = await _layerwise(side, sb, db, args.depth)
+                    p = await _pull(side, sb, db)
+                p_r.append(p)
+                w_r.append(w)
+                f_r.append(f)
+                r_r.append(w / p)
+            pulls.append(p_r)
+            wholes.append(w_r)
+            firsts.append(f_r)
+            ratios.append(r_r)
+    flat = lambda xs: [x for r in xs for x in r]  # noqa: E731
+    pull_s, whole_s = summarize(flat(pulls)), summarize(flat(wholes))
+    first_s, ratio_s = summarize(flat(firsts)), summarize(flat(ratios))
+    assert pull_s and whole_s and first_s and ratio_s
+    first_goal = pull_s.p50 / layers + FIRST_SLACK_MS
+    warnings = [
+        w
+        for name, rounds in (
+            ("pull ms", pulls),
+            ("layerwise whole ms", wholes),
+            ("first layer ms", firsts),
+            ("whole/pull", ratios),
+        )
+        if (w := disagree_warning(f"{path} {name}", [statistics.median(r) for r in rounds]))
+    ]
+    return {
+        "round_medians_ms": {
+            "pull": [statistics.median(r) for r in pulls],
+            "whole": [statistics.median(r) for r in wholes],
+            "first": [statistics.median(r) for r in firsts],
+            "ratio": [statistics.median(r) for r in ratios],
+        },
+        "path": path,
+        "bytes": n * W.num_tensors * W.block_bytes,
+        "layers": layers,
+        "pull_ms": pull_s,
+        "whole_ms": whole_s,
+        "first_ms": first_s,
+        "ratio": ratio_s,
+        "first_goal_ms": first_goal,
+        "whole_ok": ratio_s.p50 <= 1.05,
+        "first_ok": first_s.p50 <= first_goal,
+        "warnings": warnings,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--paths", default="inproc,shm,cma,tcp")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--blocks", type=int, default=16)
+    ap.add_argument("--depth", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if args.repeats < 7:
+        ap.error("--repeats must be >= 7")
+    load0 = load_average()
+    print(
+        f"llama8b-fp16, {args.blocks} blocks x {W.num_tensors // 2} layers "
+        f"({args.blocks * W.num_tensors * W.block_bytes / 2**20:.0f} MiB), depth {args.depth}, "
+        f"{args.rounds} rounds x {args.repeats} ABBA pairs; {fmt_load('start', load0)}"
+    )
+    results = []
+    for path in args.paths.split(","):
+        r = asyncio.run(measure(path, args))
+        results.append(r)
+        print(f"\n[{path}]")
+        print(f"  pull_blocks            {fmt(r['pull_ms'], 'ms')}")
+        print(f"  layerwise, whole       {fmt(r['whole_ms'], 'ms')}")
+        print(
+            f"  whole / pull (paired)  {fmt(r['ratio'], 'x')}   goal <= 1.05x: "
+            f"{'met' if r['whole_ok'] else 'NOT met'}"
+        )
+        print(
+            f"  first layer            {fmt(r['first_ms'], 'ms')}   goal <= "
+            f"{r['first_goal_ms']:.3f} ms (pull/{r['layers']} + 0.1): "
+            f"{'met' if r['first_ok'] else 'NOT met'}"
+        )
+        for w in r["warnings"]:
+            print(f"  {w}")
+    print(fmt_load("end", load_average()))
+    if args.json:
+        out = {
+            "meta": {"loadavg_start": load0, "loadavg_end": load_average(), **vars(args)},
+            "results": [
+                {k: (v.as_json() if hasattr(v, "as_json") else v) for k, v in r.items()}
+                for r in results
+            ],
+            "warnings": [w for r in results for w in r["warnings"]],
+        }
+        out["meta"]["json"] = str(args.json)
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

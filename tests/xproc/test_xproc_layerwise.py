@@ -1,0 +1,155 @@
+"""pull_blocks_layerwise from a prompt in another process, over shm, cma and tcp.
+
+The prompt is a subprocess (``aiodatadist.testing.remote_pair``) serving a cache filled
+with a pattern seeded per test; the decoder here checks each layer's bytes the moment it
+is handed over, and that the layers beyond those in flight are still untouched then.
+Leaving early (break, cancel) aborts what is in flight and leaves the link usable; a
+prompt killed mid-iteration ends the iteration with an error, never a wrong layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from aiodatadist import LLMException
+from aiodatadist.testing import PromptSpec, RemotePair, remote_pair
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio]  # peer processes
+
+PATHS = ["shm", "cma", "tcp"]
+BOUND_S = 5.0  # generous: the cancel was honoured, not a speed claim
+_seeds = itertools.count(0x1A7E_0001)
+
+
+def _spec(path: str, **kw: object) -> PromptSpec:
+    base: dict[str, object] = dict(
+        num_tensors=8, num_blocks=16, block_shape=(128, 8, 16), dtype="fp16"
+    )
+    base.update(kw)
+    return PromptSpec(seed=next(_seeds), allocate=(path == "shm"), **base)  # type: ignore[arg-type]
+
+
+def _layer_bad(pair: RemotePair, dst, layer, sb, db, t: int) -> list:
+    pairs = [(layer.src_layer * t + i, layer.dst_layer * t + i) for i in range(t)]
+    return pair.mismatches(dst, sb, db, pairs)
+
+
+def _untouched(dst, tensors: range) -> bool:
+    return all(not dst.tensors[k].view("uint8").any() for k in tensors)
+
+
+async def _skip_unless(pair: RemotePair, path: str) -> None:
+    link = pair.decoder._rt.links.find(pair.prompt_id)
+    assert link is not None
+    if link.data_path != path:
+        pytest.skip(f"{path} is not available here (the link uses {link.data_path})")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("t", [1, 2])
+async def test_layers_exact_when_yielded(path: str, t: int) -> None:
+    async with remote_pair(_spec(path), data_path=path) as pair:
+        await _skip_unless(pair, path)
+        dst = pair.decoder_cache()
+        sb, db = [15, 3, 4, 9], [0, 1, 2, 14]
+        cm = pair.decoder.cache_manager
+        n = 0
+        async with cm.pull_blocks_layerwise(
+            pair.key(), dst.cache, sb, db, tensor_num_per_layer=t, depth=2
+        ) as layers:
+            async for layer in layers:
+                assert _layer_bad(pair, dst, layer, sb, db, t) == [], layer
+                assert _untouched(dst, range((layer.index + 3) * t, 8))
+                n += 1
+        assert n == 8 // t
+        # Layer ranges with a destination offset.
+        dst2 = pair.decoder_cache()
+        seen = []
+        async for layer in cm.pull_blocks_layerwise(
+            pair.key(),
+            dst2.cache,
+            [7],
+            [8],
+            src_layer_range=range(1, 3),
+            dst_layer_range=range(2, 4),
+            tensor_num_per_layer=t,
+        ):
+            assert _layer_bad(pair, dst2, layer, [7], [8], t) == []
+            seen.append((layer.src_layer, layer.dst_layer))
+        assert seen == [(1, 2), (2, 3)]
+        assert _untouched(dst2, range(0, 2 * t))
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_break_and_cancel_leave_the_link_usable(path: str) -> None:
+    # 4 tensors x 16 blocks x 4 MiB, one mover thread: a layer is still moving when the
+    # caller leaves.
+    spec = _spec(path, num_tensors=4, block_shape=(4 << 20,), dtype="uint8")
+    async with remote_pair(spec, data_path=path, options={"aiodatadist.MoverThreads": "1"}) as pair:
+        await _skip_unless(pair, path)
+        dec = pair.decoder
+        cm = dec.cache_manager
+        link = dec._rt.links.find(pair.prompt_id)
+        every = list(range(16))
+        dst = pair.decoder_cache()
+
+        async def verify() -> None:
+            s, d = [2, 11], [5, 0]
+            await cm.pull_blocks(pair.key(), dst.cache, s, d, timeout=60)
+            assert pair.mismatches(dst, s, d) == []
+
+        async with cm.pull_blocks_layerwise(
+            pair.key(), dst.cache, every, every, tensor_num_per_layer=1, timeout=60
+        ) as layers:
+            async for layer in layers:
+                assert _layer_bad(pair, dst, layer, every, every, 1) == []
+                break
+        assert dec._rt.executor.in_flight == 0 and not link.slot.busy
+        await verify()
+
+        got: list[int] = []
+
+        async def consume() -> None:
+            async for layer in cm.pull_blocks_layerwise(
+                pair.key(), dst.cache, every, every, tensor_num_per_layer=1, timeout=60
+            ):
+                got.append(layer.index)
+                await asyncio.sleep(30)  # "computing": the next layers are in flight
+
+        task = asyncio.create_task(consume())
+        loop = asyncio.get_running_loop()
+        while not got:
+            assert not task.done()
+            await asyncio.sleep(0.001)
+        start = loop.time()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert loop.time() - start < BOUND_S
+        while dec._rt.executor.in_flight or link.slot.busy:  # the stream is collected now
+            assert loop.time() - start < BOUND_S
+            await asyncio.sleep(0.001)
+        await verify()
+
+
+@pytest.mark.parametrize("path", ["cma", "tcp"])
+async def test_prompt_killed_mid_iteration(path: str) -> None:
+    async with remote_pair(_spec(path), data_path=path) as pair:
+        await _skip_unless(pair, path)
+        dst = pair.decoder_cache()
+        sb = db = [1, 2, 3]
+        stream = pair.decoder.cache_manager.pull_blocks_layerwise(
+            pair.key(), dst.cache, sb, db, tensor_num_per_layer=1, depth=1, timeout=20
+        )
+        first = await stream.__anext__()
+        assert _layer_bad(pair, dst, first, sb, db, 1) == []
+        pair.prompt.kill()
+        await pair.prompt.wait_exit(10)
+        with pytest.raises(LLMException):
+            async for layer in stream:
+                # A layer handed over is whole, whatever happens later.
+                assert _layer_bad(pair, dst, layer, sb, db, 1) == []
+        assert _layer_bad(pair, dst, first, sb, db, 1) == []
