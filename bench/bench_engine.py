@@ -13,7 +13,12 @@ Three measurements, each against a baseline measured in the same run:
 
 Run: ``.venv/bin/python bench/bench_engine.py [--repeats N] [--quick] [--loop uvloop]``
 (``--json PATH`` writes the figures).
-Medians of repeated runs; the machine is noisy, so read ratios, not absolutes.
+
+Every figure comes with its spread (``aiodatadist.cli.stats``): the tiny pull's
+latencies are per call (p50/p90/p99 over every timed call), the 1 GiB pull's GB/s
+over the ``--repeats`` rounds; a WARNING line follows any figure whose rounds disagree
+by more than 20% ((max-min)/median of the round medians). The load average is printed
+at start and end. The machine is noisy, so read ratios, not absolutes.
 """
 
 from __future__ import annotations
@@ -34,15 +39,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import WORKLOADS, random_blocks
 
 from aiodatadist import _native
+from aiodatadist.cli.stats import (
+    DISAGREE,
+    Summary,
+    disagree_warning,
+    disagreement,
+    fmt,
+    fmt_latency,
+    fmt_load,
+    load_average,
+    percentile,
+    summarize,
+)
 from aiodatadist.testing import inproc_pair, make_blocks_cache
 
-
-def _pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p * len(xs)))]
+NATIVE = "native mover (_native.copy_local, same plan)"
+CALLS = 200  # timed calls per round of the tiny pull
 
 
-async def tiny(pair: Any, repeats: int) -> dict[str, float]:
+def _sum(xs: list[float]) -> Summary:
+    s = summarize(xs)
+    assert s is not None
+    return s
+
+
+def _figure(xs: list[float], rounds: list[float] | None = None) -> dict[str, Any]:
+    """A figure's summary, its round medians and their disagreement, for the JSON."""
+    rounds = xs if rounds is None else rounds
+    return {
+        **_sum(xs).as_json(),
+        "round_medians": [round(x, 4) for x in rounds],
+        "disagreement": None if (d := disagreement(rounds)) is None else round(d, 4),
+    }
+
+
+async def tiny(pair: Any, repeats: int) -> dict[str, Any]:
     w = WORKLOADS["small"]
     kw = {"num_tensors": w.num_tensors, "num_blocks": 16, "block_shape": w.block_shape}
     src = make_blocks_cache(pair.prompt, model_id=0, seed=1, **kw)
@@ -52,10 +83,13 @@ async def tiny(pair: Any, repeats: int) -> dict[str, float]:
     geo = _native.Geometry(w.num_tensors, 16, w.block_bytes)
     plan = _native.Plan.blocks(geo, geo, [3], [5], 0, 0, 1)
     s_addrs, d_addrs = src.cache.tensor_addrs, dst.cache.tensor_addrs
-    facade, direct = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        for _ in range(200):
+    clock = time.perf_counter_ns
+    facade: list[list[float]] = []  # us per call, one list per round
+    direct: list[list[float]] = []
+    for r in range(repeats + 1):  # round 0 warms up
+        f_r, d_r = [], []
+        for _ in range(CALLS):
+            t0 = clock()
             await cm.pull_blocks(
                 key,
                 dst.cache,
@@ -65,18 +99,28 @@ async def tiny(pair: Any, repeats: int) -> dict[str, float]:
                 dst_layer_range=range(0, 1),
                 tensor_num_per_layer=1,
             )
-        t1 = time.perf_counter_ns()
-        for _ in range(200):
+            t1 = clock()
             _native.copy_local(plan, s_addrs, d_addrs, _native.Control(), 1)
-        t2 = time.perf_counter_ns()
-        facade.append((t1 - t0) / 200 / 1000)
-        direct.append((t2 - t1) / 200 / 1000)
+            t2 = clock()
+            f_r.append((t1 - t0) / 1000)
+            d_r.append((t2 - t1) / 1000)
+        if r:
+            facade.append(f_r)
+            direct.append(d_r)
     assert np.array_equal(dst.tensors[0][5].view(np.uint8), src.tensors[0][3].view(np.uint8))
-    f, d = statistics.median(facade), statistics.median(direct)
-    return {"facade_us": f, "native_us": d, "overhead_us": f - d}
+    f_med = [statistics.median(x) for x in facade]
+    d_med = [statistics.median(x) for x in direct]
+    over = [f - d for f, d in zip(f_med, d_med, strict=True)]
+    return {
+        "bytes": w.block_bytes,
+        "calls": CALLS * repeats,
+        "facade_us": _figure([x for r in facade for x in r], f_med),
+        "native_us": _figure([x for r in direct for x in r], d_med),
+        "overhead_us": _figure(over),  # per round: facade median - native median
+    }
 
 
-async def big(pair: Any, repeats: int, num_blocks: int, count: int) -> dict[str, float]:
+async def big(pair: Any, repeats: int, num_blocks: int, count: int) -> dict[str, Any]:
     w = WORKLOADS["llama8b-fp16"]
     kw = {"num_tensors": w.num_tensors, "num_blocks": num_blocks, "block_shape": w.block_shape}
     src = make_blocks_cache(pair.prompt, model_id=1, seed=2, allocate=True, **kw)
@@ -87,14 +131,15 @@ async def big(pair: Any, repeats: int, num_blocks: int, count: int) -> dict[str,
     plan = _native.Plan.blocks(geo, geo, sb, db, 0, 0, w.num_tensors)
     threads = pair.decoder.options.mover_threads
     cm = pair.decoder.cache_manager
-    loop = asyncio.get_running_loop()
-    facade, native, lags = [], [], []
+    facade: list[float] = []
+    native: list[float] = []
+    lags: list[float] = []
 
     async def ticker(stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            t = loop.time()
+        while not stop.is_set():  # perf_counter: uvloop's loop.time() ticks in whole ms
+            t = time.perf_counter()
             await asyncio.sleep(0.001)
-            lags.append((loop.time() - t - 0.001) * 1000)
+            lags.append((time.perf_counter() - t - 0.001) * 1000)
 
     for i in range(repeats + 1):
         t0 = time.perf_counter()
@@ -118,14 +163,16 @@ async def big(pair: Any, repeats: int, num_blocks: int, count: int) -> dict[str,
         for t in (0, w.num_tensors - 1)
         for s, d in zip(sb, db, strict=True)
     )
-    f, n = statistics.median(facade), statistics.median(native)
+    paired = [f / n for f, n in zip(facade, native, strict=True)]
     return {
         "bytes": nbytes,
-        "facade_gbps": f,
-        "native_gbps": n,
-        "ratio": f / n,
-        "lag_p50_ms": _pct(lags, 0.5),
-        "lag_p99_ms": _pct(lags, 0.99),
+        "facade_gbps": _figure(facade),
+        "native_gbps": _figure(native),
+        "ratio": statistics.median(facade) / statistics.median(native),
+        "paired_ratio": _figure(paired),
+        "lag_ms": _sum(lags).as_json(),
+        "lag_p50_ms": percentile(lags, 0.5),
+        "lag_p99_ms": percentile(lags, 0.99),
         "lag_max_ms": max(lags),
         "verified": ok,
     }
@@ -133,6 +180,8 @@ async def big(pair: Any, repeats: int, num_blocks: int, count: int) -> dict[str,
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     num_blocks, count = (64, 16) if args.quick else (128, 64)
+    if args.blocks:
+        num_blocks, count = max(8, 2 * args.blocks), args.blocks
     async with inproc_pair() as pair:
         out = {
             "tiny": await tiny(pair, args.repeats),
@@ -148,31 +197,75 @@ def cli() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="256 MiB instead of 1 GiB")
     ap.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
+    ap.add_argument("--blocks", type=int, help="blocks of the big pull (a smoke run: 1)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    load_start = load_average()
+    print(fmt_load("start", load_start), flush=True)
     if args.loop == "uvloop":
         import uvloop
 
         res = uvloop.run(main(args))
     else:
         res = asyncio.run(main(args))
+    load_end = load_average()
     t, b = res["tiny"], res["big"]
-    print(f"loop: {args.loop}, medians of {args.repeats} runs")
+    warnings = [
+        w
+        for name, fig, unit in (
+            ("tiny pull, facade", t["facade_us"], "us"),
+            (f"tiny pull, {NATIVE}", t["native_us"], "us"),
+            ("big pull, facade", b["facade_gbps"], "GB/s"),
+            (f"big pull, {NATIVE}", b["native_gbps"], "GB/s"),
+        )
+        if (w := disagree_warning(name, fig["round_medians"], unit))
+    ]
     print(
-        f"tiny pull (small, 1 block, 1 tensor): facade {t['facade_us']:.1f} us, "
-        f"native {t['native_us']:.1f} us, overhead {t['overhead_us']:.1f} us (goal <= 30)"
+        f"loop: {args.loop}; {args.repeats} rounds after a warm-up round; spreads: p10-p90 "
+        f"over >= 10 samples, else min-max"
     )
     print(
-        f"{b['bytes'] / 2**30:.2f} GiB llama8b-fp16 pull: facade {b['facade_gbps']:.2f} GB/s, "
-        f"native mover {b['native_gbps']:.2f} GB/s, ratio {b['ratio']:.3f} (goal >= 0.95), "
-        f"verified {b['verified']}"
+        f"tiny pull (small, 1 block, 1 tensor, {t['bytes'] // 1024} KiB), every call timed "
+        f"({t['calls']} per side), the two alternated call by call:"
+    )
+    for name, key in (("facade, await pull_blocks(...)", "facade_us"), (NATIVE, "native_us")):
+        print(f"  {name + ':':<48} {fmt_latency(_load(t[key]))}")
+    print(
+        f"  overhead (facade - native median, per round): "
+        f"{fmt(_load(t['overhead_us']), 'us')} (goal <= 30)"
     )
     print(
-        f"event-loop lag during the pull (1 ms ticker): p50 {b['lag_p50_ms']:.3f} ms, "
-        f"p99 {b['lag_p99_ms']:.3f} ms (goal < 2), max {b['lag_max_ms']:.3f} ms"
+        f"{b['bytes'] / 2**30:.2f} GiB llama8b-fp16 pull, {args.repeats} rounds: "
+        f"facade {fmt(_load(b['facade_gbps']), 'GB/s')}, {NATIVE} "
+        f"{fmt(_load(b['native_gbps']), 'GB/s')};\n  ratio of medians {b['ratio']:.3f}, "
+        f"paired {fmt(_load(b['paired_ratio']))} (goal >= 0.95), verified {b['verified']}"
     )
+    lag = _load(b["lag_ms"])
+    print(
+        f"event-loop lag during the pull (1 ms ticker, {lag.n} ticks): p50 {lag.p50:.3f} ms, "
+        f"p90 {lag.p90:.3f} ms, p99 {lag.p99:.3f} ms (goal < 2), max {lag.max:.3f} ms"
+    )
+    print(fmt_load("end", load_end))
+    for w in warnings:
+        print(w)
     if args.json:
-        args.json.write_text(json.dumps({"loop": args.loop, **res}, indent=2))
+        meta = {
+            "loop": args.loop,
+            "repeats": args.repeats,
+            "loadavg_start": load_start,
+            "loadavg_end": load_end,
+            "disagree_threshold": DISAGREE,
+            "baseline": NATIVE,
+        }
+        doc = {**meta, **res, "warnings": warnings}
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def _load(fig: dict[str, Any]) -> Summary:
+    """The :class:`Summary` back from a figure's JSON."""
+    return Summary(*(fig[k] for k in ("n", "min", "p10", "p50", "p90", "p99", "max")))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ coroutine) by the portal's own path against ``asyncio.run_coroutine_threadsafe``
 
 Goal: the sync median at most 50 us above the async median (same run).
 
+Every figure is printed with its spread (``aiodatadist.cli.stats``): latencies as
+p50/p90/p99 over every timed call and the p10-p90 band; the delta and the hand-offs
+over the rounds (p10-p90 from 10 rounds up, else min-max). A WARNING follows any
+figure whose round medians disagree by more than 20% ((max-min)/median); the load
+average is printed at start and end.
+
 Run: ``.venv/bin/python bench/bench_sync.py [--repeats 2000] [--rounds 7]
 [--loop asyncio|uvloop] [--portal asyncio|uvloop] [--json PATH]``
 """
@@ -38,10 +44,20 @@ from workloads import WORKLOADS
 import aiodatadist
 import aiodatadist.sync as llm_datadist
 from aiodatadist._portal import portal
+from aiodatadist.cli.stats import (
+    DISAGREE,
+    Summary,
+    disagree_warning,
+    disagreement,
+    fmt,
+    fmt_latency,
+    fmt_load,
+    load_average,
+    summarize,
+)
 from aiodatadist.testing import cluster_info, make_blocks_cache
 
 GOAL_US = 50.0
-DISAGREE = 0.20  # rounds whose medians differ by more than this get a WARNING
 
 _W = WORKLOADS["small"]
 _KW: dict[str, Any] = {
@@ -56,13 +72,21 @@ _PULL_KW: dict[str, Any] = {
 }
 
 
-def _pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p * len(xs)))]
+def _sum(xs: list[float]) -> Summary:
+    s = summarize(xs)
+    assert s is not None
+    return s
 
 
-def _summary(samples: list[float]) -> tuple[float, float, float]:
-    return statistics.median(samples), _pct(samples, 0.10), _pct(samples, 0.90)
+def _figure(s: Summary, rounds: list[float]) -> dict[str, Any]:
+    """A figure for the JSON: its summary, round medians and their disagreement."""
+    d = disagreement(rounds)
+    return {
+        **s.as_json(),
+        "median_us": round(s.p50, 4),
+        "round_medians_us": [round(x, 4) for x in rounds],
+        "disagreement": None if d is None else round(d, 4),
+    }
 
 
 def _check(dst: Any, src_seed: int) -> None:
@@ -204,16 +228,6 @@ def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-def _rounds_line(name: str, medians: list[float]) -> str | None:
-    lo, hi = min(medians), max(medians)
-    if lo > 0 and (hi - lo) / lo > DISAGREE:
-        return (
-            f"WARNING: {name} round medians disagree by {100 * (hi - lo) / lo:.0f}% "
-            f"({', '.join(f'{m:.1f}' for m in medians)} us): a noisy machine, read with care"
-        )
-    return None
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=2000, help="pulls per round (default 2000)")
@@ -222,6 +236,10 @@ def main() -> int:
     ap.add_argument("--portal", choices=("asyncio", "uvloop"), default="asyncio")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
+    if args.repeats < 4 or args.rounds < 1:
+        ap.error("--repeats must be >= 4 and --rounds >= 1")
+    load_start = load_average()
+    print(fmt_load("start", load_start), flush=True)
 
     llm_datadist.set_portal_loop(args.portal)
     loop = _new_loop(args.loop)
@@ -233,11 +251,11 @@ def main() -> int:
     s.round(warm)
     handoff_round(warm)
 
-    per: dict[str, list[tuple[float, float, float]]] = {"async": [], "sync": [], "delta": []}
-    hand: dict[str, list[float]] = {
-        "portal.call": [],
-        "run_coroutine_threadsafe": [],
-        "thread ping-pong (floor)": [],
+    per: dict[str, list[list[float]]] = {"async": [], "sync": []}  # us per call, per round
+    hand: dict[str, list[float]] = {  # round medians, us
+        "portal.call (our hand-off)": [],
+        "asyncio.run_coroutine_threadsafe": [],
+        "two-lock thread ping-pong (floor)": [],
     }
     for r in range(args.rounds):
         # Alternate which side goes first: drift hits both alike.
@@ -249,53 +267,61 @@ def main() -> int:
             runs.reverse()
         got = {name: fn(args.repeats) for name, fn in runs}
         for name in ("async", "sync"):
-            per[name].append(_summary(got[name]))
-        per["delta"].append((per["sync"][-1][0] - per["async"][-1][0], 0.0, 0.0))
+            per[name].append(got[name])
         for name, xs in zip(hand, handoff_round(args.repeats // 4), strict=True):
             hand[name].append(statistics.median(xs))
     a.close()
     s.close()
     loop.close()
 
+    load_end = load_average()
+
     print(
         f"tiny pull (small, 1 block x 1 tensor), {args.rounds} rounds x {args.repeats} pulls, "
-        f"async loop={args.loop}, portal={args.portal}"
+        f"every call timed, async loop={args.loop}, portal={args.portal}"
     )
-    warnings: list[str] = []
+    warnings: list[str | None] = []
     figures: dict[str, Any] = {
         "repeats": args.repeats,
         "rounds": args.rounds,
         "loop": args.loop,
         "portal": args.portal,
+        "loadavg_start": load_start,
+        "loadavg_end": load_end,
+        "disagree_threshold": DISAGREE,
     }
+    meds: dict[str, list[float]] = {}
+    labels = {"async": "async, await pull_blocks", "sync": "sync, aiodatadist.sync pull_blocks"}
     for name in ("async", "sync"):
-        med = statistics.median(m for m, _, _ in per[name])
-        p10 = statistics.median(p for _, p, _ in per[name])
-        p90 = statistics.median(p for _, _, p in per[name])
-        print(f"  {name:5s}  median {med:7.1f} us   p10-p90 {p10:7.1f} - {p90:7.1f} us")
-        figures[name] = {
-            "median_us": med,
-            "p10_us": p10,
-            "p90_us": p90,
-            "round_medians_us": [m for m, _, _ in per[name]],
-        }
-        w = _rounds_line(name, [m for m, _, _ in per[name]])
-        if w:
-            warnings.append(w)
-    delta = statistics.median(d for d, _, _ in per["delta"])
+        summ = _sum([x for r in per[name] for x in r])
+        meds[name] = [statistics.median(r) for r in per[name]]
+        print(f"  {labels[name] + ':':<36} {fmt(summ, 'us')}   {fmt_latency(summ)}")
+        figures[name] = _figure(summ, meds[name])
+        warnings.append(disagree_warning(labels[name], meds[name], "us"))
+    deltas = [y - x for x, y in zip(meds["async"], meds["sync"], strict=True)]
+    delta_s = _sum(deltas)
+    delta = delta_s.p50
     verdict = "OK" if delta <= GOAL_US else "OVER GOAL"
-    print(f"  delta  median {delta:7.1f} us (sync - async; goal <= {GOAL_US:.0f} us): {verdict}")
-    print("hand-off to another thread and back (median of round medians):")
-    for name, meds in hand.items():
-        print(f"  {name:26s} {statistics.median(meds):7.1f} us")
-    floor = statistics.median(hand["thread ping-pong (floor)"])
+    print(
+        f"  {'delta, sync - async median per round:':<36} {fmt(delta_s, 'us')} "
+        f"(goal <= {GOAL_US:.0f} us): {verdict}"
+    )
+    print("hand-off to another thread and back, a no-op (median over the rounds, spread):")
+    for name, xs in hand.items():
+        print(f"  {name + ':':<36} {fmt(_sum(xs), 'us')}")
+        warnings.append(disagree_warning(name, xs, "us"))
+    floor = statistics.median(hand["two-lock thread ping-pong (floor)"])
     print(f"  delta above the floor: {delta - floor:7.1f} us")
+    print(fmt_load("end", load_end))
     figures["delta_us"] = delta
+    figures["delta"] = _figure(delta_s, deltas)
     figures["handoff_us"] = {k: statistics.median(v) for k, v in hand.items()}
-    for w in warnings:
+    figures["handoff"] = {k: _figure(_sum(v), v) for k, v in hand.items()}
+    figures["warnings"] = [w for w in warnings if w]
+    for w in figures["warnings"]:
         print(w)
     if args.json:
-        args.json.write_text(json.dumps(figures, indent=2))
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
 
 

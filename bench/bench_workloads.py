@@ -35,38 +35,70 @@ from typing import Any
 from cbaselines import baseline_spec, c_baselines, find_c_baselines
 from memory_accounting import host_meta, memory_note, observe
 
+from aiodatadist.cli.bench import (
+    band_cell,
+    geomean_text,
+    latency_cell,
+    legend,
+    size_text,
+    warning_lines,
+)
 from aiodatadist.cli.measure import ALL_PATHS, NATIVE_BASELINE, Point, run_workload, summarize
 from aiodatadist.cli.progress import Progress
+from aiodatadist.cli.stats import (
+    DISAGREE,
+    MIN_FOR_PERCENTILES,
+    SMALL_PULL_BYTES,
+    fmt_load,
+    load_average,
+)
 from aiodatadist.cli.workloads import DEFAULT_SEED, WORKLOADS
 
 
 def _fmt_ratio(r: float | None) -> str:
-    return "-" if r is None else f"{r:.2f}" if r >= 0.1 else f"{r:.3f}"
+    if r is None:
+        return "-"
+    return f"{r:.2f}" if r >= 0.1 else f"{r:.3f}" if r >= 0.01 else f"{r:.2g}"
 
 
 def _fmt_share(x: float | None) -> str:
     return "?" if x is None else f"{100 * x:.0f}%"
 
 
+# What each C baseline is (the labels are cbaselines.py's); printed under the table.
+BASELINE_WHAT = {
+    "C memcpy": "plain-C memcpy gather of the same segments, 2 threads, huge-page-advised buffers",
+    "C memcpy (shm source)": "plain-C memcpy gather, 2 threads, from a POSIX shared-memory source",
+    "C process_vm_readv": "plain-C process_vm_readv gather from a child process, 2 threads",
+    "C writev/readv": "plain-C writev/readv over 2 loopback TCP streams, IOV_MAX iovecs per call",
+}
+
+
 def table(points: list[Point]) -> str:
     hdr = (f"{'workload':<13} {'path':<6} {'blocks':>6} {'bytes':>10} {'memory':<11} "
-           f"{'engine GB/s':>11}  {'baseline':<22} {'GB/s':>6} {'ratio':>6} {'paired':>6}  "
-           f"{'huge e/b':<9}  check")  # fmt: skip
+           f"{'engine GB/s':>20}  {'baseline':<22} {'GB/s':>20} {'ratio':>7} {'paired':>23}  "
+           f"{'engine us p50/90/99':>20} {'baseline us':>16}  {'huge e/b':<9}  check")  # fmt: skip
     lines = [hdr, "-" * len(hdr)]
     for p in points:
-        size = f"{p.bytes / 2**20:.1f} MiB" if p.bytes >= 2**20 else f"{p.bytes / 1024:.0f} KiB"
-        med = "-" if p.median is None else f"{p.median:.2f}"
-        bmed = "-" if p.baseline_median is None else f"{p.baseline_median:.2f}"
         check = "ok" if p.verified else "MISMATCH"
         x = p.extra
         huge = "/".join(_fmt_share(x.get(k)) for k in ("huge_pages_engine", "huge_pages_baseline"))
+        lat = latency_cell(p.latency)
+        blat = latency_cell(p.baseline_latency, p.baseline_latency_kind)
         lines.append(
-            f"{p.workload:<13} {p.path:<6} {p.blocks:>6} {size:>10} {x.get('memory', ''):<11} "
-            f"{med:>11}  {p.baseline or '-':<22} {bmed:>6} {_fmt_ratio(p.ratio):>6} "
-            f"{_fmt_ratio(p.paired_ratio):>6}  {huge:<9}  {check}"
+            f"{p.workload:<13} {p.path:<6} {p.blocks:>6} {size_text(p.bytes):>10} "
+            f"{x.get('memory', ''):<11} {band_cell(p.spread):>20}  {p.baseline or '-':<22} "
+            f"{band_cell(p.baseline_spread):>20} {_fmt_ratio(p.ratio):>7} "
+            f"{band_cell(p.paired_spread, True):>23}  {lat:>20} {blat:>16}  {huge:<9}  {check}"
             + (f"  ({p.note})" if p.note else "")
         )  # fmt: skip
     return "\n".join(lines)
+
+
+def baseline_legend(points: list[Point]) -> list[str]:
+    """One line per baseline of the table: what it is."""
+    names = dict.fromkeys(p.baseline for p in points if p.baseline)
+    return [f"  {n}: {BASELINE_WHAT.get(n, n)}" for n in names]
 
 
 def _csv(choices: tuple[str, ...] | None = None, cast: Any = str) -> Any:
@@ -135,30 +167,38 @@ def main() -> None:
         kind = f"plain-C movers of bench/c ({why}), 2 threads / 2 streams"
     else:
         factory, kind = None, NATIVE_BASELINE
+    load_start = load_average()
     print(
         f"bench_workloads{' --quick' if args.quick else ''}: pull_blocks of N random "
         f"non-contiguous blocks, all layers, pool of {args.pool} blocks per tensor;\n"
         f"  GB/s = 1e9 B/s, median of {args.repeats} samples after a warm-up; every pull "
         f"checked byte for byte\n  baseline: {kind}, same segments, same kind of memory, "
-        f"measured in this run",
+        f"measured in this run\n{fmt_load('start', load_start)}",
         flush=True,
     )
     t0 = time.perf_counter()
     points, skipped = asyncio.run(measure(args, factory))
     elapsed = time.perf_counter() - t0
+    load_end = load_average()
     print()
     print(table(points))
     summary = summarize(points)
+    warnings = warning_lines(points)
     print()
+    print("baselines:")
+    print("\n".join(baseline_legend(points)))
     print(memory_note())
+    print(legend(args.repeats))
     print(
-        "ratio = engine median / baseline median, paired = median of per-sample ratios "
-        "(engine and baseline alternated);\nper path, geometric mean of the ratios over the "
-        "points: " + ", ".join(f"{k} {v['ratio_geomean']:.2f}" for k, v in summary.items())
+        "per path, geometric mean of the ratios over the points: "
+        + ", ".join(f"{k} {geomean_text(v)}" for k, v in summary.items())
     )
     for path, reason in skipped.items():
         print(f"skipped {path}: {reason}")
-    print(f"({elapsed:.0f} s)")
+    print(fmt_load("end", load_end))
+    for w in warnings:
+        print(w)
+    print(f"({elapsed:.0f} s, {len(warnings)} warning{'s' * (len(warnings) != 1)})")
     doc = {
         "meta": {
             "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
@@ -171,6 +211,11 @@ def main() -> None:
             "seed": args.seed,
             "unit": "GB/s = 1e9 bytes/s; median of the samples",
             "elapsed_s": round(elapsed, 1),
+            "loadavg_start": load_start,
+            "loadavg_end": load_end,
+            "band": "p10-p90" if args.repeats >= MIN_FOR_PERCENTILES else "min-max",
+            "disagree_threshold": DISAGREE,
+            "small_pull_bytes": SMALL_PULL_BYTES,
         },
         "baseline_kind": args.baseline,
         "baseline": kind,
@@ -187,6 +232,11 @@ def main() -> None:
         "skipped": skipped,
         "results": [p.as_json() for p in points],
         "summary": summary,
+        "baseline_descriptions": {
+            n: BASELINE_WHAT.get(n, n)
+            for n in dict.fromkeys(p.baseline for p in points if p.baseline)
+        },
+        "warnings": warnings,
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

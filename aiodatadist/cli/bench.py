@@ -28,31 +28,100 @@ from typing import Any
 
 from .measure import ALL_PATHS, NATIVE_BASELINE, Point, run_workload, summarize
 from .progress import Progress
+from .stats import (
+    DISAGREE,
+    MIN_FOR_PERCENTILES,
+    SMALL_PULL_BYTES,
+    Summary,
+    fmt_load,
+    fmt_num,
+    load_average,
+)
 from .workloads import WORKLOADS
 
-__all__ = ["host_meta", "run_bench"]
+__all__ = [
+    "band_cell",
+    "geomean_text",
+    "host_meta",
+    "latency_cell",
+    "legend",
+    "run_bench",
+    "size_text",
+    "warning_lines",
+]
 
 
 # --------------------------------------------------------------------------- output
 
 
 def _fmt_ratio(r: float | None) -> str:
-    return "-" if r is None else f"{r:.2f}" if r >= 0.1 else f"{r:.3f}"
+    if r is None:
+        return "-"
+    return f"{r:.2f}" if r >= 0.1 else f"{r:.3f}" if r >= 0.01 else f"{r:.2g}"
 
 
-def _table(points: list[Point]) -> str:
-    hdr = (f"{'workload':<13} {'path':<6} {'blocks':>6} {'bytes':>10} {'engine GB/s':>11}  "
-           f"{'baseline GB/s':>13} {'ratio':>6} {'paired':>6}  check")  # fmt: skip
+def size_text(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.0f} KiB"
+
+
+def band_cell(s: Summary | None, ratio: bool = False) -> str:
+    """``"12.31 (11.90-12.80)"``: the median and the band the legend names; ``"-"``: none."""
+    if s is None:
+        return "-"
+    f = _fmt_ratio if ratio else fmt_num
+    _, lo, hi = s.band
+    return f"{f(s.p50)} ({f(lo)}-{f(hi)})" if s.n > 1 else f(s.p50)
+
+
+def latency_cell(s: Summary | None, kind: str | None = "per transfer") -> str:
+    """``"16.2/19.2/58.3"`` (p50/p90/p99 us); ``"mean 1.10"`` where only round means exist."""
+    if s is None:
+        return "-"
+    if kind == "mean per round":
+        return f"mean {fmt_num(s.p50)}"
+    return f"{fmt_num(s.p50)}/{fmt_num(s.p90)}/{fmt_num(s.p99)}"
+
+
+def legend(repeats: int) -> str:
+    """What the table's figures are: the band, the latency, the warning rule."""
+    band = "p10-p90" if repeats >= MIN_FOR_PERCENTILES else "min-max"  # as Summary.band
+    return (
+        f"figures: median ({band} over the {repeats} rounds; p10-p90 from "
+        f"{MIN_FOR_PERCENTILES} rounds up); ratio = engine median / baseline median, "
+        f"paired = per-round engine / baseline\n  (engine and baseline alternated round by "
+        f"round); latency p50/p90/p99 us: pulls of at most {SMALL_PULL_BYTES >> 20} MiB, each "
+        f'timed on its own ("mean": a baseline\n  that times only batches, its median '
+        f"round mean); a WARNING when the rounds of one figure disagree: "
+        f"(max-min)/median of the round medians > {100 * DISAGREE:.0f}%"
+    )
+
+
+def geomean_text(v: dict[str, Any]) -> str:
+    """A path's geometric mean of the ratios, with their min-max over its points."""
+    text = f"{v['ratio_geomean']:.2f}"
+    if v["points"] > 1:
+        text += f" (min-max {v['ratio_min']:.2f}-{v['ratio_max']:.2f} over {v['points']} points)"
+    return text
+
+
+def warning_lines(points: list[Point]) -> list[str]:
+    return [w for p in points for w in p.warnings]
+
+
+def _table(points: list[Point], baseline: str = "native mover") -> str:
+    hdr = (f"{'workload':<13} {'path':<6} {'blocks':>6} {'bytes':>10} {'engine GB/s':>20}  "
+           f"{baseline + ' GB/s':>20} {'ratio':>7} {'paired':>23}  "
+           f"{'engine us p50/90/99':>20} {'baseline us':>16}  check")  # fmt: skip
     lines = [hdr, "-" * len(hdr)]
     for p in points:
-        size = f"{p.bytes / 2**20:.1f} MiB" if p.bytes >= 2**20 else f"{p.bytes / 1024:.0f} KiB"
-        med = "-" if p.median is None else f"{p.median:.2f}"
-        bmed = "-" if p.baseline_median is None else f"{p.baseline_median:.2f}"
         check = "ok" if p.verified else "MISMATCH"
+        lat = latency_cell(p.latency)
+        blat = latency_cell(p.baseline_latency, p.baseline_latency_kind)
         lines.append(
-            f"{p.workload:<13} {p.path:<6} {p.blocks:>6} {size:>10} {med:>11}  {bmed:>13} "
-            f"{_fmt_ratio(p.ratio):>6} {_fmt_ratio(p.paired_ratio):>6}  {check}"
-            + (f"  ({p.note})" if p.note else "")
+            f"{p.workload:<13} {p.path:<6} {p.blocks:>6} {size_text(p.bytes):>10} "
+            f"{band_cell(p.spread):>20}  {band_cell(p.baseline_spread):>20} "
+            f"{_fmt_ratio(p.ratio):>7} {band_cell(p.paired_spread, True):>23}  {lat:>20} "
+            f"{blat:>16}  {check}" + (f"  ({p.note})" if p.note else "")
         )
     return "\n".join(lines)
 
@@ -100,12 +169,13 @@ async def run_bench(args: argparse.Namespace) -> int:
         "the native local mover alone, aiodatadist._native.copy_local on the same plan "
         "(same blocks, same destination, 2 threads)"
     )
+    load_start = load_average()
     print(
         f"aiodatadist bench{' --quick' if quick else ''}: pull_blocks of N random non-contiguous "
         f"blocks, all layers, pool of {pool} blocks per tensor;\n"
         f"  GB/s = 1e9 B/s, median of {args.repeats} samples after a warm-up; every pull "
         f"checked byte for byte\n  baseline: {kind},\n  measured in this run, alternated "
-        f"with the engine"
+        f"with the engine\n{fmt_load('start', load_start)}"
     )
     skipped: dict[str, str] = {}
     points: list[Point] = []
@@ -115,16 +185,18 @@ async def run_bench(args: argparse.Namespace) -> int:
         for wname in workloads:
             points += await run_workload(WORKLOADS[wname], pool, counts, paths, args, bar, skipped)
     elapsed = time.perf_counter() - t_start
+    load_end = load_average()
     order: dict[str, int] = {name: i for i, name in enumerate(ALL_PATHS)}
     points.sort(key=lambda p: (workloads.index(p.workload), order[p.path], p.blocks))
     print()
     print(_table(points))
     summary = summarize(points)
+    warnings = warning_lines(points)
     print()
+    print(legend(args.repeats))
     print(
-        "ratio = engine median / baseline median, paired = median of per-sample ratios "
-        "(engine and baseline alternated);\nper path, geometric mean of the ratios over the "
-        "points: " + ", ".join(f"{k} {v['ratio_geomean']:.2f}" for k, v in summary.items())
+        "per path, geometric mean of the ratios over the points: "
+        + ", ".join(f"{k} {geomean_text(v)}" for k, v in summary.items())
     )
     print(
         "(plain-C baselines, huge-page accounting and plots: bench/ in the source tree, "
@@ -132,7 +204,10 @@ async def run_bench(args: argparse.Namespace) -> int:
     )
     for path, reason in skipped.items():
         print(f"skipped {path}: {reason}")
-    print(f"({elapsed:.0f} s)")
+    print(fmt_load("end", load_end))
+    for w in warnings:
+        print(w)
+    print(f"({elapsed:.0f} s, {len(warnings)} warning{'s' * (len(warnings) != 1)})")
 
     if args.json:
         doc = {
@@ -147,6 +222,11 @@ async def run_bench(args: argparse.Namespace) -> int:
                 "seed": args.seed,
                 "unit": "GB/s = 1e9 bytes/s; median of the samples",
                 "elapsed_s": round(elapsed, 1),
+                "loadavg_start": load_start,
+                "loadavg_end": load_end,
+                "band": "p10-p90" if args.repeats >= MIN_FOR_PERCENTILES else "min-max",
+                "disagree_threshold": DISAGREE,
+                "small_pull_bytes": SMALL_PULL_BYTES,
             },
             "baseline_kind": "native",
             "baseline": kind,
@@ -159,6 +239,7 @@ async def run_bench(args: argparse.Namespace) -> int:
             "skipped": skipped,
             "results": [p.as_json() for p in points],
             "summary": summary,
+            "warnings": warnings,
         }
         _write(args.json, json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -41,6 +41,8 @@ from ..testing import (
 )
 from ..types import BlocksCacheKey, LLMRole
 from .progress import Progress
+from .stats import SMALL_PULL_BYTES, Summary, disagree_warning, disagreement
+from .stats import summarize as summary_of
 from .workloads import Workload, random_blocks
 
 __all__ = [
@@ -68,8 +70,11 @@ NATIVE_BASELINE = "native mover (_native.copy_local, same plan)"
 class Point:
     """One (workload, path, blocks per pull) measurement and its baseline.
 
-    ``extra`` holds what a caller's ``observe`` hook adds (``bench/``: the memory kind
-    and its huge-page shares); :meth:`as_json` writes it as more keys.
+    ``samples`` and ``baseline_samples`` are GB/s, one per round (a round spans
+    :func:`_inner` transfers); for pulls of at most :data:`~.stats.SMALL_PULL_BYTES`,
+    ``latencies_us`` holds the engine's per-pull latencies, one list per round. ``extra``
+    holds what a caller's ``observe`` hook adds (``bench/``: the memory kind and its
+    huge-page shares); :meth:`as_json` writes it as more keys.
     """
 
     workload: str
@@ -83,6 +88,8 @@ class Point:
     baseline_samples: list[float] = field(default_factory=list)
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    latencies_us: list[list[float]] = field(default_factory=list)  # engine, per round
+    baseline_latencies_us: list[list[float]] = field(default_factory=list)  # where it times each
 
     @property
     def median(self) -> float | None:
@@ -105,9 +112,78 @@ class Point:
         pairs = zip(self.samples, self.baseline_samples, strict=True)
         return statistics.median(m / b for m, b in pairs)
 
+    @property
+    def small(self) -> bool:
+        """A small pull: reported as latency too."""
+        return self.bytes <= SMALL_PULL_BYTES
+
+    @property
+    def spread(self) -> Summary | None:
+        """The engine's GB/s over the rounds."""
+        return summary_of(self.samples)
+
+    @property
+    def baseline_spread(self) -> Summary | None:
+        return summary_of(self.baseline_samples)
+
+    @property
+    def paired_spread(self) -> Summary | None:
+        """The per-round ratios engine / baseline."""
+        if not self.samples or len(self.samples) != len(self.baseline_samples):
+            return None
+        return summary_of(m / b for m, b in zip(self.samples, self.baseline_samples, strict=True))
+
+    @property
+    def latency(self) -> Summary | None:
+        """The engine's per-pull latency (us) over every timed pull (small pulls only)."""
+        return summary_of(x for r in self.latencies_us for x in r)
+
+    @property
+    def baseline_latency_kind(self) -> str | None:
+        """``"per transfer"`` where the baseline timed each transfer, else ``"mean per round"``."""
+        if not self.small or not self.baseline_samples:
+            return None
+        return "per transfer" if self.baseline_latencies_us else "mean per round"
+
+    @property
+    def baseline_latency(self) -> Summary | None:
+        """The baseline's us per transfer (small pulls only): over every transfer where it
+        timed each (:class:`NativeMover` does), else its mean per transfer in each round."""
+        if not self.small:
+            return None
+        if self.baseline_latencies_us:
+            return summary_of(x for r in self.baseline_latencies_us for x in r)
+        return summary_of(self.bytes / (g * 1e3) for g in self.baseline_samples if g > 0)
+
+    @property
+    def latency_round_medians(self) -> list[float]:
+        return [statistics.median(r) for r in self.latencies_us if r]
+
+    @property
+    def name(self) -> str:
+        return f"{self.workload} {self.path} {self.blocks} block{'s' * (self.blocks != 1)}"
+
+    @property
+    def warnings(self) -> list[str]:
+        """A WARNING line for each figure (engine GB/s and latency, baseline GB/s) whose
+        rounds disagree."""
+        out = [
+            disagree_warning(f"{self.name}, engine GB/s", self.samples, "GB/s"),
+            disagree_warning(
+                f"{self.name}, engine latency", self.latency_round_medians, "us per pull"
+            ),
+        ]
+        if self.baseline_samples:
+            base = self.baseline or "baseline"
+            out.append(disagree_warning(f"{self.name}, {base} GB/s", self.baseline_samples, "GB/s"))
+        return [w for w in out if w]
+
     def as_json(self) -> dict[str, Any]:
         def r4(x: float | None) -> float | None:
             return None if x is None else round(x, 4)
+
+        def js(s: Summary | None) -> dict[str, Any] | None:
+            return None if s is None else s.as_json()
 
         return {
             "workload": self.workload,
@@ -123,6 +199,19 @@ class Point:
             "baseline_samples_gbps": [round(s, 4) for s in self.baseline_samples],
             "ratio": r4(self.ratio),
             "paired_ratio": r4(self.paired_ratio),
+            "spread_gbps": js(self.spread),
+            "baseline_spread_gbps": js(self.baseline_spread),
+            "paired_ratio_spread": js(self.paired_spread),
+            "latency_us": js(self.latency),
+            "latency_rounds_us": [[round(x, 2) for x in r] for r in self.latencies_us],
+            "baseline_latency_us": js(self.baseline_latency),
+            "baseline_latency_kind": self.baseline_latency_kind,
+            "disagreement": {
+                "engine": r4(disagreement(self.samples)),
+                "engine_latency": r4(disagreement(self.latency_round_medians)),
+                "baseline": r4(disagreement(self.baseline_samples)),
+            },
+            "warnings": self.warnings,
             **self.extra,
             "note": self.note,
         }
@@ -132,7 +221,12 @@ class Point:
 
 
 class Baseline(Protocol):
-    """What the engine is compared with: set up once, sampled alternately with it."""
+    """What the engine is compared with: set up once, sampled alternately with it.
+
+    A baseline that times each transfer may also expose ``latencies_us`` (a list: the
+    us of each transfer of its last :meth:`sample`); small pulls then report its
+    per-transfer percentiles, not only its mean.
+    """
 
     name: str
 
@@ -177,6 +271,7 @@ class NativeMover:
     def __init__(self, w: Workload, pool: int, blocks: int, seed: int, src: Any, dst: Any) -> None:
         from .. import _native
 
+        self.latencies_us: list[float] = []  # each transfer of the last sample (small pulls)
         self._native = _native
         src_ids, dst_ids = random_blocks(pool, pool, blocks, seed)
         geo = _native.Geometry(w.num_tensors, pool, w.block_bytes)
@@ -194,8 +289,16 @@ class NativeMover:
     def sample(self, inner: int) -> float:
         nat = self._native
         t0 = time.perf_counter()
-        for _ in range(inner):
-            nat.copy_local(self.plan, self.src, self.dst, nat.Control(), 2)
+        if self.plan.total_bytes <= SMALL_PULL_BYTES:  # timed one by one, as the engine's
+            clock, lats = time.perf_counter_ns, []
+            for _ in range(inner):
+                t = clock()
+                nat.copy_local(self.plan, self.src, self.dst, nat.Control(), 2)
+                lats.append((clock() - t) / 1e3)
+            self.latencies_us = lats
+        else:
+            for _ in range(inner):
+                nat.copy_local(self.plan, self.src, self.dst, nat.Control(), 2)
         return self.plan.total_bytes * inner / (time.perf_counter() - t0) / 1e9
 
     def close(self) -> None:
@@ -231,8 +334,12 @@ async def _measure(
     w: Workload,
     nbytes: int,
     args: argparse.Namespace,
-) -> tuple[list[float], list[float]]:
+) -> tuple[list[float], list[float], list[list[float]], list[list[float]]]:
     """Engine and baseline samples, alternated (ABBA) after one warm-up each.
+
+    Returns GB/s per round of the engine and of the baseline, and for small pulls
+    (:data:`~.stats.SMALL_PULL_BYTES`) the per-transfer latencies (us) per round of the
+    engine and of the baseline (where it exposes them, see :class:`Baseline`).
 
     Raises:
         LLMException: a pull failed (LLM_FEATURE_NOT_ENABLED: the path does not work here).
@@ -247,10 +354,20 @@ async def _measure(
             tensor_num_per_layer=w.tensors_per_layer, timeout=args.timeout,
         )  # fmt: skip
 
+    lats: list[list[float]] = []
+
     async def engine_sample() -> float:
         t0 = time.perf_counter()
-        for _ in range(inner):
-            await pull()
+        if nbytes <= SMALL_PULL_BYTES:  # each pull timed: ~0.1 us on a >= 10 us pull
+            clock, mine = time.perf_counter_ns, []
+            for _ in range(inner):
+                t = clock()
+                await pull()
+                mine.append((clock() - t) / 1e3)
+            lats.append(mine)
+        else:
+            for _ in range(inner):
+                await pull()
         return nbytes * inner / (time.perf_counter() - t0) / 1e9
 
     await pull()
@@ -258,13 +375,22 @@ async def _measure(
         await asyncio.to_thread(baseline.sample, 1)
     mine: list[float] = []
     theirs: list[float] = []
+    base_lats: list[list[float]] = []
+
+    async def baseline_sample() -> None:
+        assert baseline is not None
+        theirs.append(await asyncio.to_thread(baseline.sample, inner))
+        got = getattr(baseline, "latencies_us", None)
+        if nbytes <= SMALL_PULL_BYTES and isinstance(got, list) and got:
+            base_lats.append(list(got))
+
     for r in range(args.repeats):
         if baseline is not None and r % 2:
-            theirs.append(await asyncio.to_thread(baseline.sample, inner))
+            await baseline_sample()
         mine.append(await engine_sample())
         if baseline is not None and not r % 2:
-            theirs.append(await asyncio.to_thread(baseline.sample, inner))
-    return mine, theirs
+            await baseline_sample()
+    return mine, theirs, lats, base_lats if len(base_lats) == len(theirs) else []
 
 
 def _zero(tensors: list[Any], dst_ids: list[int]) -> None:
@@ -397,9 +523,12 @@ async def run_workload(
                     p = Point(w.name, e.path, n, nbytes, n * w.num_tensors, note=note)
                     _zero(dst, dst_ids)
                     try:
-                        p.samples, p.baseline_samples = await _measure(
-                            e, base, src_ids, dst_ids, w, nbytes, args
-                        )
+                        (
+                            p.samples,
+                            p.baseline_samples,
+                            p.latencies_us,
+                            p.baseline_latencies_us,
+                        ) = await _measure(e, base, src_ids, dst_ids, w, nbytes, args)
                     except LLMException as err:
                         if err.status_code != LLMStatusCode.LLM_FEATURE_NOT_ENABLED:
                             raise
