@@ -6,7 +6,6 @@ Each is guarded on the async API having the call, so that this file runs before 
 
 from __future__ import annotations
 
-import inspect
 import json
 import time
 
@@ -21,32 +20,6 @@ from tests.sync._util import BLOCK_SHAPE, BOUND_S, SyncPair, assert_pulled, open
 S = sd.LLMStatusCode
 ADD, ACM = aiodatadist.LLMDataDist, aiodatadist.CacheManager
 
-needs_v2_names = pytest.mark.skipif(
-    "src_blocks" not in inspect.signature(ACM.pull_blocks).parameters,
-    reason="pull_blocks(src_blocks=, dst_blocks=) not in the async API yet",
-)
-needs_switch_role = pytest.mark.skipif(
-    not hasattr(ADD, "switch_role"), reason="switch_role not in the async API yet"
-)
-needs_push = pytest.mark.skipif(
-    not (hasattr(ACM, "push_blocks") and hasattr(ACM, "push_cache")),
-    reason="push_blocks / push_cache not in the async API yet",
-)
-needs_copy_cache = pytest.mark.skipif(
-    not hasattr(ACM, "copy_cache"), reason="copy_cache not in the async API yet"
-)
-needs_swap = pytest.mark.skipif(
-    not hasattr(ACM, "swap_blocks"), reason="swap_blocks not in the async API yet"
-)
-needs_two_sided = pytest.mark.skipif(
-    not all(hasattr(ADD, n) for n in ("link", "unlink", "query_register_mem_status")),
-    reason="two-sided link / unlink / query_register_mem_status not in the async API yet",
-)
-needs_check_link = pytest.mark.skipif(
-    not hasattr(ADD, "check_link_status"), reason="check_link_status not in the async API yet"
-)
-
-
 def _rows(dd: sd.LLMDataDist, rows: int = 2, row_bytes: int = 1024, tensors: int = 4,
           seed: int | None = None) -> tuple[sd.Cache, list[np.ndarray]]:  # fmt: skip
     desc = sd.CacheDesc(tensors, [rows, row_bytes], sd.DataType.DT_UINT8, sd.Placement.HOST)
@@ -58,7 +31,6 @@ def _rows(dd: sd.LLMDataDist, rows: int = 2, row_bytes: int = 1024, tensors: int
     return dd.cache_manager.register_cache(desc, arrays), arrays
 
 
-@needs_v2_names
 def test_v2_and_v1_keyword_names(pair: SyncPair) -> None:
     pair.prompt_cache(seed=501)
     dst = pair.decoder_cache()
@@ -71,7 +43,6 @@ def test_v2_and_v1_keyword_names(pair: SyncPair) -> None:
     assert untouched(dst, [2])
 
 
-@needs_check_link
 def test_check_link_status(pair: SyncPair) -> None:
     assert pair.decoder.check_link_status(pair.prompt.cluster_id) is None
     with pytest.raises(sd.LLMException) as info:
@@ -79,7 +50,6 @@ def test_check_link_status(pair: SyncPair) -> None:
     assert info.value.status_code == S.LLM_NOT_YET_LINK
 
 
-@needs_switch_role
 def test_switch_role_refused_while_linked(pair: SyncPair) -> None:
     with pytest.raises(sd.LLMException) as info:
         pair.decoder.switch_role(sd.LLMRole.PROMPT)
@@ -94,7 +64,6 @@ def test_switch_role_refused_while_linked(pair: SyncPair) -> None:
     assert pair.decoder.listen_address is None
 
 
-@needs_push
 def test_push_blocks_and_push_cache(pair: SyncPair) -> None:
     # The decoder writes into the prompt's caches over its link.
     target = make_blocks_cache(pair.prompt, model_id=9, block_shape=BLOCK_SHAPE)
@@ -113,7 +82,6 @@ def test_push_blocks_and_push_cache(pair: SyncPair) -> None:
         assert not r[0].any()
 
 
-@needs_copy_cache
 def test_copy_cache(pair: SyncPair) -> None:
     src, src_arrays = _rows(pair.decoder, seed=504)
     dst, dst_arrays = _rows(pair.decoder)
@@ -124,7 +92,6 @@ def test_copy_cache(pair: SyncPair) -> None:
         assert not d[1, :128].any() and not d[1, 384:].any() and not d[0].any()
 
 
-@needs_swap
 def test_swap_blocks_host_and_device(pair: SyncPair) -> None:
     cm = pair.decoder.cache_manager
     host = make_blocks_cache(pair.decoder, seed=505, pattern=True, block_shape=BLOCK_SHAPE)
@@ -144,7 +111,6 @@ def _rank_table(*ranks: int) -> str:
                        "server_list": [{"server_id": "127.0.0.1", "device": devices}]})  # fmt: skip
 
 
-@needs_two_sided
 def test_two_sided_link_in_one_process(portal_kind: str, cluster_ids: tuple[int, int]) -> None:
     a_id, b_id = cluster_ids
     a = sd.LLMDataDist(sd.LLMRole.MIX, a_id)
