@@ -32,7 +32,14 @@ from memory_accounting import _process_tree, huge_bytes_of_processes
 from aiodatadist.cli.measure import BaselineCase
 from aiodatadist.cli.workloads import Workload, blocks_hash, random_blocks
 
-__all__ = ["BaselineSpec", "CServer", "baseline_spec", "c_baselines", "find_c_baselines"]
+__all__ = [
+    "BaselineSpec",
+    "CServer",
+    "baseline_spec",
+    "c_baselines",
+    "find_c_baselines",
+    "find_c_program",
+]
 
 HERE = Path(__file__).resolve().parent
 _C_OP = {"inproc": "memcpy", "shm": "memcpy", "cma": "cma", "tcp": "tcp"}
@@ -44,6 +51,13 @@ def _baselines_source() -> Path | None:
     return src if src.is_file() else None
 
 
+def _program_source(name: str) -> Path | None:
+    if name == "baselines":
+        return _baselines_source()  # (a test points this one elsewhere)
+    src = HERE / "c" / f"{name}.c"
+    return src if src.is_file() else None
+
+
 def _cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "aiodatadist"
@@ -51,30 +65,37 @@ def _cache_dir() -> Path:
 
 def find_c_baselines() -> tuple[Path | None, str]:
     """The C baselines executable (built on demand), or None and why not."""
-    src = _baselines_source()
+    return find_c_program("baselines")
+
+
+def find_c_program(name: str) -> tuple[Path | None, str]:
+    """The executable of ``bench/c/NAME.c`` (``bench/bin/NAME`` when that is not older than
+    the source, else built on demand and cached by the source's hash), or None and why not.
+    """
+    src = _program_source(name)
     if src is None:
-        return None, "bench/c/baselines.c is not here"
-    prebuilt = src.parent.parent / "bin" / "baselines"
+        return None, f"bench/c/{name}.c is not here"
+    prebuilt = src.parent.parent / "bin" / name
     if prebuilt.is_file() and prebuilt.stat().st_mtime >= src.stat().st_mtime:
         return prebuilt, f"{prebuilt}"
     digest = hashlib.sha256(src.read_bytes()).hexdigest()[:12]
-    exe = _cache_dir() / f"baselines-{digest}"
+    exe = _cache_dir() / f"{name}-{digest}"
     if exe.is_file():
         return exe, f"{exe}"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        return None, "no C compiler (cc) to build bench/c/baselines.c"
+        return None, f"no C compiler (cc) to build bench/c/{name}.c"
     exe.parent.mkdir(parents=True, exist_ok=True)
     tmp = exe.with_name(f"{exe.name}.{os.getpid()}.tmp")
     cmd = [cc, "-std=c11", "-O2", "-pthread", "-o", str(tmp), str(src)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"building the C baselines failed: {e}"
+        return None, f"building bench/c/{name}.c failed: {e}"
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
         last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        return None, f"building the C baselines failed: {last}"
+        return None, f"building bench/c/{name}.c failed: {last}"
     os.replace(tmp, exe)
     return exe, f"{exe} (built now)"
 
