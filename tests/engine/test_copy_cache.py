@@ -137,26 +137,27 @@ async def test_bad_arguments_change_nothing(dd: LLMDataDist) -> None:
 
 
 async def test_timeout_aborts_and_a_copy_after_it_works() -> None:
-    # One mover thread and 2 x 32 MiB per row: a 1 ms deadline fires before the copy ends.
+    # One mover thread and 2 x 32 MiB per row of never-touched memory (every page faults
+    # in during the copy): a 1 ms deadline fires long before the copy could end.
     dd = LLMDataDist(LLMRole.DECODER, 62)
     await dd.init({"aiodatadist.MoverThreads": "1"})
     try:
         row = 32 << 20
         desc = CacheDesc(2, [2, row], DataType.DT_UINT8, Placement.HOST)
-        a = dd.cache_manager.allocate_cache(desc)
-        b = dd.cache_manager.allocate_cache(desc)
+        ta = [np.empty((2, row), np.uint8) for _ in range(2)]
+        tb = [np.empty((2, row), np.uint8) for _ in range(2)]
+        a = dd.cache_manager.register_cache(desc, ta)
+        b = dd.cache_manager.register_cache(desc, tb)
         with pytest.raises(LLMTimeoutError) as info:
             await dd.cache_manager.copy_cache(b, a, 0, 1, timeout=0.001)
         assert info.value.status_code == LLMStatusCode.LLM_TIMEOUT
         assert dd._rt.executor.in_flight == 0
-        ta = [t.reshape(2, -1) for t in a.tensors()]
-        tb = [t.reshape(2, -1) for t in b.tensors()]
         for t in range(2):
             ta[t][1][:16] = 9 + t
         await dd.cache_manager.copy_cache(b, a, 0, 1, size=16, timeout=30)
         for t in range(2):
             assert (tb[t][0][:16] == 9 + t).all()
-        dd.cache_manager.deallocate_cache(a)
-        dd.cache_manager.deallocate_cache(b)
+        dd.cache_manager.unregister_cache(a.cache_id)
+        dd.cache_manager.unregister_cache(b.cache_id)
     finally:
         await dd.finalize()
