@@ -92,6 +92,7 @@ class Peer:
         self._send_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self.closed = asyncio.Event()
+        self.unlinking = False  # our unlink closes it: not a lost link
         self.on_close: Callable[[Peer], Awaitable[None]] | None = None
         self._table_dirty = False
         self._loop = asyncio.get_running_loop()
@@ -279,7 +280,9 @@ class Peer:
         if self.closed.is_set():
             return
         self.closed.set()
-        log.debug("link to cluster %d closed: %s", self.info.cluster_id, reason)
+        lost = self.on_close is not None and not self.unlinking  # (an unlink logs itself)
+        level, what = (logging.INFO, "lost") if lost else (logging.DEBUG, "closed")
+        log.log(level, "link to cluster %d %s: %s", self.info.cluster_id, what, reason)
         for fut in self._pending.values():
             if not fut.done():
                 # Set from whatever task closes the link (often the read loop): not a
@@ -307,16 +310,15 @@ class Peer:
             await cb(self)
 
     async def unlink(self) -> None:
-        """Says goodbye (best effort) and closes the connection.
-
-        The goodbye waits for the peer to take it at most ``UNLINK_SEND_TIMEOUT``: a peer
-        that stopped reading must not hold an unlink or ``finalize`` forever. Cancel (a
-        caller's deadline): the connection is closed all the same, then it propagates.
-        """
+        """Says goodbye and waits (at most ``UNLINK_SEND_TIMEOUT``) for the peer to close its
+        end, which it does once its link is gone, as upstream's server answers an unlink.
+        Cancel: the connection is closed all the same, then it propagates."""
+        self.unlinking = True
         try:
             with contextlib.suppress(LLMException, TimeoutError):
                 async with asyncio.timeout(UNLINK_SEND_TIMEOUT):
                     await self.send(_wire.MsgType.UNLINK, {"cluster_id": self.rt.cluster_id})
+                    await self.closed.wait()
         finally:
             await self.close("unlinked")
 
@@ -375,7 +377,7 @@ async def _adopt(rt: Runtime, peer: Peer, server: ControlServer | None) -> None:
     link = Link(rt.cluster_id, remote_id, path)
 
     async def on_close(_peer: Peer) -> None:
-        rt.links.remove(link)
+        rt.links.remove(link, lost=True)
         path.peer_closed()
         if server is not None:
             server.forget(_peer)

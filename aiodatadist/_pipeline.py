@@ -336,7 +336,9 @@ class Pipelines:
                     push = request.layer_request(i, layer, rt.deadline(None))
                     await _runner.run(rt, link, push)
                 except LLMException as e:
-                    log.warning(
+                    # Per transfer: DEBUG only (counted in the link's metrics; the status
+                    # reaches the caller through synchronize / get_results).
+                    log.debug(
                         "transfer_cache_async: layer %d to cluster %d failed: %s",
                         layer,
                         cluster,

@@ -20,6 +20,7 @@ go only once no byte moves any more; then ``LLMTimeoutError`` or ``CancelledErro
 
 from __future__ import annotations
 
+from time import perf_counter
 from typing import TYPE_CHECKING
 
 from . import _native
@@ -33,7 +34,8 @@ from ._plan import (
     local_copy_plan,
     plan,
 )
-from .errors import LLMException, LLMStatusCode
+from .errors import LLMException, LLMStatusCode, current_api
+from .metrics import _core as _metrics
 
 if TYPE_CHECKING:
     from ._caches import CacheEntry
@@ -46,6 +48,10 @@ __all__ = ["copy", "run"]
 async def run(rt: Runtime, link: Link, request: Request) -> None:
     """Moves the bytes ``request`` names over ``link``; returns once they all landed.
 
+    Counted once in the link's metrics (and traced when tracing is on): the data path
+    that moved the bytes, how many, the time waited for the slot and in all, or the
+    failure (:mod:`aiodatadist.metrics`).
+
     Raises:
         LLMCacheNotFoundError: the peer has no such cache (after one refresh), or one
             of the caches was freed meanwhile.
@@ -55,43 +61,62 @@ async def run(rt: Runtime, link: Link, request: Request) -> None:
         LLMLinkError: the link was closed while the call waited for it.
         asyncio.CancelledError: cancelled; raised once the native job has returned.
     """
-    deadline, local = request.deadline, request.local
-    version = link.path.remote_table.version
+    m = link.metrics
+    kind = _metrics.PUSH if isinstance(request, PushRequest) else _metrics.PULL
+    tracer = _metrics.tracer
+    span = None
+    if tracer is not None:
+        span = tracer.begin(current_api(), kind, rt.cluster_id, link.remote_cluster_id, request)
+    m.started += 1
+    start = perf_counter()
     try:
-        remote, moves = plan(request, link.path.remote_table)
-    except LLMException as e:
-        if e.status_code != LLMStatusCode.LLM_KV_CACHE_NOT_EXIST:
-            raise
-        if not await link.path.refresh(deadline):
-            raise
+        deadline, local = request.deadline, request.local
         version = link.path.remote_table.version
-        remote, moves = plan(request, link.path.remote_table)
-    async with link.exclusive(deadline):
-        if link.path.remote_table.version != version:  # the peer re-registered meanwhile
-            remote, moves = plan(request, link.path.remote_table)
-        local.hold()
         try:
-            for retry in (False, True):
-                held = remote
-                held.hold()
-                try:
-                    call = rt.call(deadline)
-                    if isinstance(request, PushRequest):
-                        await link.path.push(moves, local, held, call)
-                    else:
-                        await link.path.pull(moves, held, local, call)
-                    link.transfers += 1
-                    return
-                except LeaseStale:
-                    # Stale again after the refresh: LLM_KV_CACHE_NOT_EXIST (this exception).
-                    if retry:
-                        raise
-                    await link.path.refresh(deadline)
-                    remote, moves = plan(request, link.path.remote_table)
-                finally:
-                    held.release()
-        finally:
-            local.release()
+            remote, moves = plan(request, link.path.remote_table)
+        except LLMException as e:
+            if e.status_code != LLMStatusCode.LLM_KV_CACHE_NOT_EXIST:
+                raise
+            if not await link.path.refresh(deadline):
+                raise
+            version = link.path.remote_table.version
+            remote, moves = plan(request, link.path.remote_table)
+        async with link.exclusive(deadline):
+            if link.path.remote_table.version != version:  # the peer re-registered meanwhile
+                remote, moves = plan(request, link.path.remote_table)
+            local.hold()
+            try:
+                for retry in (False, True):
+                    held = remote
+                    held.hold()
+                    try:
+                        call = rt.call(deadline)
+                        if isinstance(request, PushRequest):
+                            await link.path.push(moves, local, held, call)
+                        else:
+                            await link.path.pull(moves, held, local, call)
+                        # Counted here, once: the path this transfer took, its bytes, the
+                        # slot's wait (still held: nobody else set it) and the whole call.
+                        used, nbytes = link.path.used or link.data_path, moves.total_bytes
+                        m.done(kind, used, nbytes, link.slot.waited, perf_counter() - start)
+                        if span is not None:
+                            tracer.end(span, used, nbytes, None)  # type: ignore[union-attr]
+                        return
+                    except LeaseStale:
+                        # Stale again after the refresh: LLM_KV_CACHE_NOT_EXIST (this exception).
+                        if retry:
+                            raise
+                        await link.path.refresh(deadline)
+                        remote, moves = plan(request, link.path.remote_table)
+                    finally:
+                        held.release()
+            finally:
+                local.release()
+    except BaseException as e:
+        m.failed(kind, e)
+        if span is not None:
+            tracer.end(span, None, 0, e)  # type: ignore[union-attr]
+        raise
 
 
 async def copy(rt: Runtime, request: CopyRequest | LocalCopyRequest) -> None:
@@ -113,6 +138,13 @@ async def copy(rt: Runtime, request: CopyRequest | LocalCopyRequest) -> None:
         moves = local_copy_plan(request)
         src, dst, holds = request.src, request.dst, request.holds
     held: list[CacheEntry] = []
+    m = rt.links.metrics.local
+    tracer = _metrics.tracer
+    span = None
+    if tracer is not None:
+        span = tracer.begin(current_api(), _metrics.COPY, rt.cluster_id, None, request)
+    m.started += 1
+    start = perf_counter()
     try:
         for entry in holds:
             entry.hold()
@@ -122,6 +154,14 @@ async def copy(rt: Runtime, request: CopyRequest | LocalCopyRequest) -> None:
         await rt.call(request.deadline).run(
             lambda ctl: _native.copy_local(moves, src_addrs, dst_addrs, ctl, threads)
         )
+    except BaseException as e:
+        m.failed(_metrics.COPY, e)
+        if span is not None:
+            tracer.end(span, None, 0, e)  # type: ignore[union-attr]
+        raise
     finally:
         for entry in held:
             entry.release()
+    m.copied(moves.total_bytes, perf_counter() - start)
+    if span is not None:
+        tracer.end(span, _metrics.LOCAL_PATH, moves.total_bytes, None)  # type: ignore[union-attr]

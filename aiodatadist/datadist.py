@@ -30,6 +30,7 @@ from .cache_manager import CacheManager
 from .config import Options, parse_options
 from .errors import LLMException, LLMStatusCode, api_scope, failure
 from .links import Link
+from .metrics._core import InstanceMetrics, Stats
 from .types import LLMClusterInfo, LLMRole, RegisterMemStatus
 
 __all__ = ["LLMDataDist"]
@@ -190,6 +191,7 @@ class LLMDataDist:
             self._options = opts
             self._init_options = dict(wanted or {})
             self._rt = rt
+            self._metrics = rt.links.metrics  # (kept after finalize)
             self._loop = rt.loop
             self._listening = listening
             self._comms = Comms(rt, listening)
@@ -227,8 +229,9 @@ class LLMDataDist:
             deadline = loop.time() + bound
             await comms.close()
             await cm._shutdown(bound)
-            for link in list(rt.links):
-                await drop_link(rt, link, deadline=deadline)
+            with api_scope("finalize"):  # names who unlinks, in the INFO log lines
+                for link in list(rt.links):
+                    await drop_link(rt, link, deadline=deadline)
             await listening.stop(min(1.0, deadline - loop.time()))
             if not await rt.aclose(deadline):
                 log.warning("finalize: transfers still running after %.1f s", bound)
@@ -358,6 +361,12 @@ class LLMDataDist:
         """
         rt = self._runtime()
         rt.links.get(check_uint("remote_cluster_id", remote_cluster_id, 64))
+
+    _metrics: InstanceMetrics | None = None
+
+    def stats(self) -> Stats:
+        """Transfer metrics (:mod:`aiodatadist.metrics`), from any thread; kept after finalize."""
+        return (self._metrics or InstanceMetrics(self._cluster_id)).snapshot()
 
     # ------------------------------------------------------- two-sided links
 

@@ -14,9 +14,11 @@ import enum
 import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from time import perf_counter
 from typing import TYPE_CHECKING
 
-from .errors import LLMLinkError, LLMStatusCode, failure
+from .errors import API_CONTEXT_NONE, LLMLinkError, LLMStatusCode, current_api, failure
+from .metrics._core import InstanceMetrics, LinkMetrics
 
 if TYPE_CHECKING:
     from .config import DataPath
@@ -46,6 +48,8 @@ class _FifoSlot:
         # the woken waiter has not run yet: a newcomer then queues behind it, so "unlocked"
         # alone does not mean "free".
         self._waiting = 0
+        # Seconds the holder waited for the slot (metrics): timed only when it had to queue.
+        self.waited = 0.0
 
     @property
     def busy(self) -> bool:
@@ -54,11 +58,14 @@ class _FifoSlot:
     async def acquire(self, deadline: float | None) -> None:
         if not self._lock.locked() and not self._waiting:
             await self._lock.acquire()  # free and nobody queued: taken at once, no timer
+            self.waited = 0.0
             return
         self._waiting += 1
+        asked = perf_counter()
         try:
             async with asyncio.timeout_at(deadline):
                 await self._lock.acquire()
+            self.waited = perf_counter() - asked
         except TimeoutError:
             raise failure(
                 LLMStatusCode.LLM_TIMEOUT,
@@ -94,7 +101,14 @@ class Link:
         # Both ends of an in-process link share one slot, so a pull on one side
         # and transfer_cache_async on the other never overlap.
         self.slot = slot if slot is not None else _FifoSlot()
-        self.transfers = 0  # completed transfers, for stats
+        # Counters of this link (aiodatadist.metrics), registered with the instance's
+        # by LinkRegistry.add; they fold into its totals when the link goes.
+        self.metrics = LinkMetrics()
+
+    @property
+    def transfers(self) -> int:
+        """Transfers completed on this link (its metrics' count)."""
+        return sum(n for n, _ in list(self.metrics.counts.values()))
 
     @property
     def data_paths(self) -> tuple[DataPath, ...]:
@@ -137,6 +151,7 @@ class LinkRegistry:
 
     def __init__(self, local_cluster_id: int) -> None:
         self.local_cluster_id = local_cluster_id
+        self.metrics = InstanceMetrics(local_cluster_id)  # every link's, gone ones too
         self._links: dict[int, Link] = {}
         # wait_for() callers by cluster id, woken by add().
         self._waiters: dict[int, list[asyncio.Future[Link]]] = {}
@@ -157,6 +172,16 @@ class LinkRegistry:
                 f"already linked to cluster {link.remote_cluster_id}",
             )
         self._links[link.remote_cluster_id] = link
+        self.metrics.register(link.remote_cluster_id, link.metrics, link.data_paths)
+        peer = getattr(link.path, "peer", None)  # a cross-process link's control connection
+        how = "in-process" if peer is None else "we linked" if peer.is_client else "peer linked"
+        log.info(
+            "link up: cluster %d -> %d (%s), data paths %s",
+            self.local_cluster_id,
+            link.remote_cluster_id,
+            how,
+            "/".join(link.data_paths),
+        )
         for fut in self._waiters.pop(link.remote_cluster_id, []):
             if not fut.done():
                 fut.set_result(link)
@@ -200,7 +225,18 @@ class LinkRegistry:
     def find(self, cluster_id: int) -> Link | None:
         return self._links.get(cluster_id)
 
-    def remove(self, link: Link) -> None:
+    def remove(self, link: Link, *, lost: bool = False) -> None:
+        """Closes ``link`` and drops it; ``lost``: it went without an unlink (the control
+        connection's own INFO line says why), else the unlink is logged (INFO)."""
+        if not lost and link.state is LinkState.ACTIVE:
+            who = current_api()
+            log.info(
+                "unlink: cluster %d -> %d (asked by %s)",
+                self.local_cluster_id,
+                link.remote_cluster_id,
+                who if who != API_CONTEXT_NONE else "the library",
+            )
         link.state = LinkState.CLOSED
         if self._links.get(link.remote_cluster_id) is link:
             del self._links[link.remote_cluster_id]
+        self.metrics.retire(link.remote_cluster_id, link.metrics)

@@ -19,6 +19,7 @@ class InprocPath(Path):
     """Reads and writes the peer's caches directly; the peer's table is always current."""
 
     kinds = (DataPath.INPROC,)
+    used = DataPath.INPROC
 
     def __init__(self, peer_table: CacheTable) -> None:
         self._table = peer_table

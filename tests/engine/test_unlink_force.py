@@ -122,3 +122,19 @@ async def test_a_cluster_named_twice_in_one_link_call(route: str) -> None:
             assert status == S.LLM_ALREADY_LINK
             assert [link.remote_cluster_id for link in d.links] == [6121]
             await pull_checked(d, p, seed)
+
+
+async def test_an_unlink_returns_once_the_peer_dropped_its_side() -> None:
+    # Upstream's server removes its side before answering the unlink, so code that
+    # unlinks and then (say) switch_role's the peer relies on it: no LLM_EXIST_LINK race.
+    opts = {"aiodatadist.DataPath": "tcp"}
+    async with LLMDataDist(LLMRole.PROMPT, 6131, {**opts, "llm.listenIpInfo": "127.0.0.1:0"}) as p:
+        async with LLMDataDist(LLMRole.DECODER, 6132, opts) as d:
+            to_p = remote(6131, p.listen_address)
+            for _ in range(3):
+                assert (await d.link_clusters([to_p]))[0] == S.LLM_SUCCESS
+                assert [link.remote_cluster_id for link in p.links] == [6132]
+                assert (await d.unlink_clusters([to_p]))[0] == S.LLM_SUCCESS
+                assert p.links == []  # at once: no await in between
+                await p.switch_role(LLMRole.DECODER, {"llm.listenIpInfo": "127.0.0.1:0"})
+                to_p = remote(6131, p.listen_address)
