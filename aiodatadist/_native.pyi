@@ -101,6 +101,14 @@ def copy_local(
     control: Control,
     threads: int = 1,
 ) -> None: ...
+def set_copy_mode(mode: str) -> None:
+    """copy_local's kernel, process-wide: ``auto`` (non-temporal stores from
+    ``STREAM_THRESHOLD`` bytes on), ``memcpy`` or ``stream`` (every piece)."""
+
+def copy_mode() -> str: ...
+
+STREAM_SUPPORTED: bool
+STREAM_THRESHOLD: int
 def cma_read(
     pid: int,
     plan: Plan,
@@ -132,6 +140,26 @@ def sock_recv(
     """Receives the plan's bytes into the destination; each stream's header must name
     transfer ``tag`` and the share's byte count, or it fails with ``Status.STALE``
     before writing a byte of that stream."""
+
+class SockStep:
+    """One stream of a small socket transfer, moved in non-blocking steps by an event
+    loop: the stream format and header check of ``sock_send`` / ``sock_recv``."""
+
+    def __init__(
+        self, fd: int, plan: Plan, bases: Sequence[int], send: bool, *, tag: int
+    ) -> None: ...
+    def step(self) -> bool:
+        """Moves what the socket takes (or holds) now, never waiting; True once done."""
+    @property
+    def finished(self) -> bool: ...
+    @property
+    def sending(self) -> bool: ...
+    @property
+    def fd(self) -> int: ...
+    @property
+    def bytes_done(self) -> int: ...
+    @property
+    def total(self) -> int: ...
 
 def sock_header(tag: int, nbytes: int) -> bytes:
     """The header a stream of transfer ``tag`` carrying ``nbytes`` payload bytes starts with."""
@@ -189,6 +217,10 @@ class ShmSegment:
     def owner(self) -> bool: ...
     @property
     def closed(self) -> bool: ...
+    @property
+    def populated(self) -> bool:
+        """Whether every page is in this mapping's page tables (a peer's mapping from
+        :meth:`from_fd` is filled on a thread of its own; :meth:`create`'s at once)."""
     def close(self) -> None:
         """Unmaps and closes the fd. Idempotent."""
     @property

@@ -484,9 +484,11 @@ async def write_message(
     """
     head, tail = _encode_parts(msg_type, body, binary)
     try:
-        writer.write(head)
         if len(tail):
-            writer.write(tail)
+            # One send for both (a PULL's segments): two would wake the peer twice.
+            writer.writelines((head, tail))
+        else:
+            writer.write(head)
         await writer.drain()
     except ConnectionError as e:
         raise ConnectionClosed(f"connection lost: {e}") from e

@@ -140,6 +140,22 @@ PYBIND11_MODULE(_native, m) {
   using gil_release = py::call_guard<py::gil_scoped_release>;
   m.def("copy_local", &copy_local, py::arg("plan"), py::arg("src_bases"), py::arg("dst_bases"),
         py::arg("control"), py::arg("threads") = 1, gil_release());
+  // Copy kernels of copy_local (movers.cpp): "auto", "memcpy" or "stream"; process-wide.
+  m.def(
+      "set_copy_mode",
+      [](const std::string& mode) {
+        if (mode == "auto") set_copy_mode(CopyMode::AUTO);
+        else if (mode == "memcpy") set_copy_mode(CopyMode::MEMCPY);
+        else if (mode == "stream") set_copy_mode(CopyMode::STREAM);
+        else throw Error(Status::PARAM_INVALID, "copy mode must be 'auto', 'memcpy' or 'stream', got '" + mode + "'");
+      },
+      py::arg("mode"));
+  m.def("copy_mode", []() {
+    CopyMode c = copy_mode();
+    return std::string(c == CopyMode::MEMCPY ? "memcpy" : c == CopyMode::STREAM ? "stream" : "auto");
+  });
+  m.attr("STREAM_SUPPORTED") = stream_supported();
+  m.attr("STREAM_THRESHOLD") = stream_threshold();
   m.def("cma_read", &cma_read, py::arg("pid"), py::arg("plan"), py::arg("remote_src_bases"),
         py::arg("local_dst_bases"), py::arg("control"), py::arg("threads") = 1, gil_release());
   m.def("cma_write", &cma_write, py::arg("pid"), py::arg("plan"), py::arg("local_src_bases"),
@@ -148,6 +164,15 @@ PYBIND11_MODULE(_native, m) {
         py::kw_only(), py::arg("tag"), gil_release());
   m.def("sock_recv", &sock_recv, py::arg("fds"), py::arg("plan"), py::arg("dst_bases"), py::arg("control"),
         py::kw_only(), py::arg("tag"), gil_release());
+  py::class_<SockStep>(m, "SockStep")
+      .def(py::init<int, const Plan&, const std::vector<uint64_t>&, bool, uint64_t>(), py::arg("fd"),
+           py::arg("plan"), py::arg("bases"), py::arg("send"), py::kw_only(), py::arg("tag"))
+      .def("step", &SockStep::step, gil_release())
+      .def_property_readonly("finished", &SockStep::finished)
+      .def_property_readonly("sending", &SockStep::sending)
+      .def_property_readonly("fd", &SockStep::fd)
+      .def_property_readonly("bytes_done", &SockStep::bytes_done)
+      .def_property_readonly("total", &SockStep::total);
   m.attr("SOCK_HEADER_BYTES") = kStreamHeaderBytes;
   m.def(
       "sock_header",
@@ -195,6 +220,7 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("fd", &ShmSegment::fd)
       .def_property_readonly("owner", &ShmSegment::owner)
       .def_property_readonly("closed", &ShmSegment::closed)
+      .def_property_readonly("populated", &ShmSegment::populated)
       .def_property_readonly("writable", &ShmSegment::writable)
       .def("close", &ShmSegment::close)
       .def("__repr__", [](const ShmSegment& s) {

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace aiodd {
@@ -142,6 +143,14 @@ std::vector<std::vector<Piece>> split_even(const std::vector<Piece>& pieces, uin
                                            size_t parts);
 
 // ---- movers (all blocking; callers release the GIL) ----
+// How copy_local copies: AUTO streams (non-temporal stores, x86-64 with AVX2) the pieces
+// of a transfer larger than the last-level cache and memcpys the rest; MEMCPY always
+// memcpys; STREAM streams every piece (tests, benchmarks). Process-wide.
+enum class CopyMode : int { AUTO = 0, MEMCPY = 1, STREAM = 2 };
+CopyMode copy_mode();
+void set_copy_mode(CopyMode mode);
+bool stream_supported();     // false: every mode copies with memcpy
+uint64_t stream_threshold();  // AUTO streams transfers of at least this many bytes
 void copy_local(const Plan& plan, const std::vector<uint64_t>& src_bases,
                 const std::vector<uint64_t>& dst_bases, Control& ctl, int threads);
 void cma_read(int pid, const Plan& plan, const std::vector<uint64_t>& remote_src,
@@ -163,6 +172,34 @@ void sock_send(const std::vector<int>& fds, const Plan& plan, const std::vector<
                Control& ctl, uint64_t tag);
 void sock_recv(const std::vector<int>& fds, const Plan& plan, const std::vector<uint64_t>& dst_bases,
                Control& ctl, uint64_t tag);
+
+// One stream of a small socket transfer, moved in non-blocking steps by an event loop
+// (no thread): step() sends or receives what the socket takes or holds now and returns
+// true once every byte (header included) moved; it never waits. The same stream format
+// and header check as sock_send / sock_recv (one fd). The caller keeps the memory and
+// the fd alive and calls step() from one thread at a time.
+class SockStep {
+ public:
+  SockStep(int fd, const Plan& plan, const std::vector<uint64_t>& bases, bool send, uint64_t tag);
+  bool step();
+  bool finished() const { return header_off_ == kStreamHeaderBytes && idx_ == pieces_.size(); }
+  bool sending() const { return send_; }
+  int fd() const { return fd_; }
+  uint64_t bytes_done() const { return done_; }
+  uint64_t total() const { return total_; }
+
+ private:
+  int fd_;
+  bool send_;
+  uint64_t tag_;
+  uint64_t total_;
+  uint64_t done_ = 0;
+  std::vector<Piece> pieces_;
+  size_t idx_ = 0;
+  uint64_t used_ = 0;
+  std::array<uint8_t, kStreamHeaderBytes> header_{};
+  size_t header_off_ = 0;
+};
 
 // Runs fn(i) for i in [0, n) on n threads (the caller's thread takes i = 0) and
 // rethrows the first failure after every thread has returned; a failure on one
@@ -188,16 +225,23 @@ class ShmSegment {
   bool owner() const { return owner_; }
   bool writable() const { return writable_; }
   bool closed() const { return addr_ == nullptr; }
+  // True once every page of a mapping from from_fd is in its page tables (filled on a
+  // thread of its own from the mapping on); create() fills its own before returning.
+  bool populated() const { return owner_ || populated_.load(std::memory_order_acquire); }
   void close();
 
  private:
   ShmSegment() = default;
+  void start_populate();
   std::string name_;
   uint64_t size_ = 0;
   void* addr_ = nullptr;
   int fd_ = -1;
   bool owner_ = false;
   bool writable_ = true;
+  std::thread populater_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> populated_{false};
 };
 
 // ---- leases (lease.cpp) ----

@@ -204,24 +204,88 @@ void stream(int fd, const std::vector<Piece>& pieces, bool send, Control& ctl, u
   }
 }
 
+void check_stream_fd(int fd) {
+  if (fd < 0) throw Error(Status::PARAM_INVALID, "negative socket fd");
+  // A descriptor that is not a stream socket (a reused fd number, say) would
+  // never become readable: refuse it rather than wait on it.
+  int type = 0;
+  socklen_t len = sizeof type;
+  if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM)
+    throw Error(Status::PARAM_INVALID, "fd " + std::to_string(fd) + " is not a connected stream socket");
+}
+
 void run_streams(const std::vector<int>& fds, const std::vector<Piece>& pieces, uint64_t total, bool send,
                  Control& ctl, uint64_t tag) {
   if (fds.empty()) throw Error(Status::PARAM_INVALID, "no socket fds given");
-  for (int fd : fds) {
-    if (fd < 0) throw Error(Status::PARAM_INVALID, "negative socket fd");
-    // A descriptor that is not a stream socket (a reused fd number, say) would
-    // never become readable: refuse it rather than wait on it.
-    int type = 0;
-    socklen_t len = sizeof type;
-    if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM)
-      throw Error(Status::PARAM_INVALID, "fd " + std::to_string(fd) + " is not a connected stream socket");
-  }
+  for (int fd : fds) check_stream_fd(fd);
   ctl.set_total(total);
   auto parts = split_even(pieces, total, fds.size());
   run_parallel(fds.size(), ctl, [&](size_t i) { stream(fds[i], parts[i], send, ctl, tag); });
 }
 
+
 }  // namespace
+
+SockStep::SockStep(int fd, const Plan& plan, const std::vector<uint64_t>& bases, bool send, uint64_t tag)
+    : fd_(fd), send_(send), tag_(tag), total_(plan.total_bytes()) {
+  if (bases.empty()) throw Error(Status::PARAM_INVALID, "buffer addresses are required");
+  check_stream_fd(fd);
+  pieces_ = send ? resolve(plan, bases, {}) : resolve(plan, {}, bases);
+  if (send) header_ = stream_header(tag, total_);
+}
+
+bool SockStep::step() {
+  const size_t max_iov = static_cast<size_t>(iov_max());
+  std::vector<struct iovec> iov;
+  while (!finished()) {
+    iov.clear();
+    bool in_header = header_off_ < kStreamHeaderBytes;
+    if (in_header)
+      iov.push_back({header_.data() + header_off_, kStreamHeaderBytes - header_off_});
+    // The receiver takes the header alone: it is checked before a payload byte lands.
+    if (send_ || !in_header) {
+      uint64_t u = used_;
+      for (size_t j = idx_; j < pieces_.size() && iov.size() < max_iov; ++j, u = 0) {
+        const Piece& p = pieces_[j];
+        iov.push_back({reinterpret_cast<void*>((send_ ? p.src : p.dst) + u), p.nbytes - u});
+      }
+    }
+    struct msghdr msg{};
+    msg.msg_iov = iov.data();
+    msg.msg_iovlen = iov.size();
+    ssize_t n = send_ ? sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT) : recvmsg(fd_, &msg, MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
+      sock_fail(send_ ? "sendmsg" : "recvmsg", errno);
+    }
+    if (n == 0 && !send_) {
+      std::ostringstream os;
+      os << "the peer closed the connection after " << done_ << " of " << total_ << " bytes";
+      throw Error(Status::PEER_CLOSED, os.str());
+    }
+    uint64_t got = static_cast<uint64_t>(n);
+    if (in_header) {
+      uint64_t h = std::min<uint64_t>(got, kStreamHeaderBytes - header_off_);
+      header_off_ += h;
+      got -= h;
+      if (!send_ && header_off_ == kStreamHeaderBytes) check_header(header_, tag_, total_);
+    }
+    done_ += got;
+    while (got > 0) {
+      uint64_t left = pieces_[idx_].nbytes - used_;
+      if (got >= left) {
+        got -= left;
+        ++idx_;
+        used_ = 0;
+      } else {
+        used_ += got;
+        got = 0;
+      }
+    }
+  }
+  return true;
+}
 
 std::array<uint8_t, kStreamHeaderBytes> stream_header(uint64_t tag, uint64_t nbytes) {
   std::array<uint8_t, kStreamHeaderBytes> h{};

@@ -10,11 +10,14 @@ runs it on the instance's dedicated executor under the call's deadline.
 from __future__ import annotations
 
 import abc
+import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import _native
+from .._executor import INLINE_MAX_BYTES, INLINE_YIELD_S
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry, CacheTable
@@ -33,15 +36,32 @@ class Call:
     executor: TransferExecutor
     mover_threads: int = 2
 
-    async def run(self, job: Callable[[_native.Control], Any], *, local_bytes: int = -1) -> Any:
+    async def run(
+        self,
+        job: Callable[[_native.Control], Any],
+        *,
+        local_bytes: int = -1,
+        inline_max: int = INLINE_MAX_BYTES,
+        fair: bool = False,
+    ) -> Any:
         """Runs a blocking native job under this call's deadline (see TransferExecutor.run).
 
-        ``local_bytes``: the size of a local (memcpy) job; one of at most
-        ``INLINE_MAX_BYTES`` runs inline on the loop thread.
+        ``local_bytes``: the size of a job that neither waits on a socket nor on another
+        process (a memcpy, a ``process_vm_readv``); one of at most ``inline_max`` bytes
+        runs inline on the loop thread (``INLINE_MAX_BYTES`` for in-process copies,
+        ``ONE_SIDED_INLINE_MAX_BYTES`` for the one-sided cross-process paths).
+        ``fair``: an inline job first yields to the loop when the last such yield is
+        ``INLINE_YIELD_S`` old: a caller's loop of tiny pulls (which never suspends)
+        then cannot starve the loop's other tasks (the link's messages, the peer's
+        replies, timers) for longer than that, and pays one loop iteration per
+        millisecond instead of one per pull. A cancel there moves nothing.
         """
-        from .._executor import INLINE_MAX_BYTES
-
-        inline = 0 <= local_bytes <= INLINE_MAX_BYTES
+        inline = 0 <= local_bytes <= inline_max
+        if inline and fair:
+            now = time.monotonic()
+            if now >= self.executor.yield_due:
+                self.executor.yield_due = now + INLINE_YIELD_S
+                await asyncio.sleep(0)
         return await self.executor.run(job, deadline=self.deadline, api=self.api, inline=inline)
 
 
@@ -55,6 +75,9 @@ class Path(abc.ABC):
     """
 
     kinds: tuple[DataPath, ...] = ()
+    used: DataPath | None = None
+    """The data path that moved the last transfer's bytes (for metrics; None: ``kinds[0]``).
+    The cross-process selector sets it per transfer."""
 
     @property
     @abc.abstractmethod

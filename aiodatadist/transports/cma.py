@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .. import _native
+from .._executor import ONE_SIDED_INLINE_MAX_BYTES
 from .._leases import leased
 from ..config import DataPath
 from ..errors import LLMStatusCode, failure
@@ -64,7 +65,13 @@ class CmaPath(Path):
         job = functools.partial(
             _read, self.pid, plan, remote.addrs, local.addrs, call.mover_threads
         )
-        await call.run(await self._leased(call, remote, job))
+        # process_vm_readv never waits on the peer: a tiny one runs inline (see the limit).
+        await call.run(
+            await self._leased(call, remote, job),
+            local_bytes=plan.total_bytes,
+            inline_max=ONE_SIDED_INLINE_MAX_BYTES,
+            fair=True,
+        )
 
     async def push(
         self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call
@@ -72,7 +79,12 @@ class CmaPath(Path):
         job = functools.partial(
             _write, self.pid, plan, local.addrs, remote.addrs, call.mover_threads
         )
-        await call.run(await self._leased(call, remote, job))
+        await call.run(
+            await self._leased(call, remote, job),
+            local_bytes=plan.total_bytes,
+            inline_max=ONE_SIDED_INLINE_MAX_BYTES,
+            fair=True,
+        )
 
 
 def _read(

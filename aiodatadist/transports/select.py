@@ -62,6 +62,9 @@ class RemotePath(Path):
         # and whether the peer closed meanwhile: its mappings go once none runs.
         self._running = 0
         self._unmap_pending = False
+        # The peer table's version _unmap_freed last ran at in full: it has nothing to
+        # let go of until the table changes (it cost ~10 us of every tiny pull).
+        self._swept_version = -1
 
     def _forget_fds(self) -> None:
         # A table update: fds of segments the peer freed are closed now (their memory is
@@ -191,11 +194,17 @@ class RemotePath(Path):
         # Segments of caches the peer freed stay mapped (and their memory alive) until
         # unmapped here. Transfers on a link are serialized by its FIFO slot, so no
         # transfer uses a mapping while this runs.
+        version = self.peer.table.version
+        if version == self._swept_version:
+            return
         live = {e.shm_name for e in self.peer.table if e.shm_name}
         if self.shm is not None:
+            if self.shm.busy:
+                return  # it forgets nothing under a running copy: sweep again next time
             self.shm.forget(live, busy=False)
         if self.fds is not None:
             self.fds.forget(live)
+        self._swept_version = version
 
     async def pull(
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
@@ -204,7 +213,9 @@ class RemotePath(Path):
         try:
             await self._settle(call.deadline)
             self._unmap_freed()
-            await self.path_for(remote).pull(plan, remote, local, call)
+            path = self.path_for(remote)
+            self.used = path.kinds[0]  # serialized by the link's slot: read by the runner
+            await path.pull(plan, remote, local, call)
         finally:
             self._done()
 
@@ -215,7 +226,9 @@ class RemotePath(Path):
         try:
             await self._settle(call.deadline)
             self._unmap_freed()
-            await self.path_for(remote).push(plan, local, remote, call)
+            path = self.path_for(remote)
+            self.used = path.kinds[0]  # serialized by the link's slot: read by the runner
+            await path.push(plan, local, remote, call)
         finally:
             self._done()
 

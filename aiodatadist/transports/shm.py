@@ -14,6 +14,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from .. import _native
+from .._executor import ONE_SIDED_INLINE_MAX_BYTES
 from .._leases import leased
 from ..config import DataPath
 from ..errors import LLMStatusCode, failure, from_native
@@ -132,11 +133,18 @@ class ShmPath(Path):
         self._busy += 1
         try:
             # Returns (even when cancelled) only once the native copy has.
-            await call.run(job, local_bytes=plan.total_bytes)
+            await call.run(
+                job, local_bytes=plan.total_bytes, inline_max=ONE_SIDED_INLINE_MAX_BYTES, fair=True
+            )
         finally:
             self._busy -= 1
             if self._close_pending and not self._busy:
                 self.unmap()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a copy through the mappings is running (they stay mapped meanwhile)."""
+        return self._busy > 0
 
     def forget(self, live_names: set[str], busy: bool) -> None:
         """Unmaps segments the peer no longer lists (not while transfers run)."""

@@ -28,6 +28,7 @@ from ..config import DataPath
 from ..errors import LLMException, LLMStatusCode, failure, to_status_code
 from .base import Call, Path
 from .peer import ControlLink
+from .tcp_streams import LOOP_MAX_BYTES, LoopMove
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry, CacheTable
@@ -37,6 +38,8 @@ __all__ = ["TcpLink", "TcpPath", "deadline_ms"]
 
 Mover = Callable[[list[int], _native.Control, int], Any]
 """The requester's native job: ``mover(fds, control, req)``."""
+Stepper = Callable[[int, int], _native.SockStep]
+"""The requester's side of a tiny transfer, moved by the loop: ``stepper(fd, req)``."""
 
 
 # A deadline further away than this (~31 years) is treated as none: loop timers (uvloop's
@@ -122,6 +125,7 @@ class TcpPath(Path):
             call,
             {"dst_geometry": [local.num_tensors, local.num_blocks, local.block_bytes]},
             lambda fds, c, req: _native.sock_recv(fds, plan, dst, c, tag=req),
+            lambda fd, req: _native.SockStep(fd, plan, dst, False, tag=req),
         )
 
     async def push(
@@ -135,6 +139,7 @@ class TcpPath(Path):
             call,
             {"src_geometry": [local.num_tensors, local.num_blocks, local.block_bytes]},
             lambda fds, c, req: _native.sock_send(fds, plan, src, c, tag=req),
+            lambda fd, req: _native.SockStep(fd, plan, src, True, tag=req),
         )
 
     async def _connect(
@@ -163,9 +168,11 @@ class TcpPath(Path):
         call: Call,
         extra: dict[str, Any],
         mover: Mover,
+        stepper: Stepper,
     ) -> None:
         """Sends the request, runs ``mover(fds, control, req)`` on the link's streams of our
-        direction, and waits for the peer's DONE.
+        direction (a transfer of at most ``LOOP_MAX_BYTES``: ``stepper(fd, req)`` on one
+        stream, moved by the loop), and waits for the peer's DONE.
 
         Raises:
             LLMTimeoutError: ``call.deadline`` passed (connecting streams, sending the
@@ -190,8 +197,11 @@ class TcpPath(Path):
         req = 0
         done: asyncio.Future[dict[str, Any]] | None = None
         epoch = streams.epoch[direction]
+        tiny = plan.total_bytes <= LOOP_MAX_BYTES
         try:
             socks, epoch = await self._connect(direction, deadline)
+            if tiny:
+                socks = socks[:1]  # moved by the loop on one stream (see LOOP_MAX_BYTES)
             body = {
                 "cache_id": remote.cache_id,
                 "deadline_ms": deadline_ms(call.deadline, loop.time()),
@@ -216,7 +226,11 @@ class TcpPath(Path):
                     LLMStatusCode.LLM_TIMEOUT,
                     "deadline passed while sending the request (the peer is not reading)",
                 ) from None
-            await self._await(call, deadline, mover, fds, req, done)
+            if tiny:
+                fd = fds[0]
+                await self._await_loop(deadline, LoopMove(lambda: stepper(fd, req)), done)
+            else:
+                await self._await(call, deadline, mover, fds, req, done)
             clean = True
         finally:
             streams.release(held)
@@ -236,6 +250,40 @@ class TcpPath(Path):
                     streams.drop(direction, only=held or None)
                 with contextlib.suppress(Exception):
                     link.cancel_soon(req, epoch)
+
+    async def _await_loop(
+        self, deadline: float | None, move: LoopMove, done: asyncio.Future[dict[str, Any]]
+    ) -> None:
+        """Moves a tiny transfer's bytes on this task (no thread, no second task), then
+        waits for its DONE. A failed DONE, or the link closing, while the bytes are awaited
+        aborts the move (the peer will not send or take them); its reason is raised."""
+
+        def on_reply(f: asyncio.Future[dict[str, Any]]) -> None:
+            if f.cancelled() or f.exception() is not None or int(f.result()["status"]) != 0:
+                move.abort()
+
+        done.add_done_callback(on_reply)
+        try:
+            await move.run(deadline)
+        except LLMException as exc:
+            if done.done() and not done.cancelled():
+                error = done.exception()
+                if error is not None:
+                    raise error from exc
+                if int(done.result()["status"]) != 0:
+                    raise _peer_failure(done.result()) from exc
+            raise
+        finally:
+            done.remove_done_callback(on_reply)
+        try:
+            async with asyncio.timeout_at(deadline):
+                reply = await done
+        except TimeoutError:
+            raise failure(
+                LLMStatusCode.LLM_TIMEOUT, "deadline passed waiting for the peer's completion"
+            ) from None
+        if int(reply["status"]) != 0:
+            raise _peer_failure(reply)
 
     async def _await(
         self,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from .. import _native, _wire
 from .._leases import LeaseStale
 from ..errors import LLMException, LLMStatusCode, failure, from_native
+from .tcp_streams import LOOP_MAX_BYTES, LoopMove
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry, CacheTable
@@ -90,7 +91,7 @@ class TcpServing:
         # running one (req, its abort token).
         self._queued: dict[int, int] = {}
         self._cancelled: set[int] = set()
-        self._running: tuple[int, _native.Control] | None = None
+        self._running: tuple[int, _native.Control | LoopMove] | None = None
         self.stats = ServeStats()
 
     async def enqueue(self, msg: _wire.Message) -> None:
@@ -250,18 +251,29 @@ class TcpServing:
         deadline: float,
         api: str,
     ) -> None:
-        """Sends (pull) or receives (push) the plan's bytes on ``socks``, abortable by CANCEL."""
+        """Sends (pull) or receives (push) the plan's bytes on ``socks``, abortable by CANCEL.
+
+        A tiny request on one stream is moved by this loop in non-blocking steps (see
+        ``LOOP_MAX_BYTES``): a peer that stops reading or sending cannot block the loop,
+        only make this request wait for readiness until its (capped) deadline.
+        """
         fds = self._streams.hold(socks)
-        ctl = _native.Control()
-        self._running = (req, ctl)
         try:
+            if len(fds) == 1 and plan.total_bytes <= LOOP_MAX_BYTES:
+                fd = fds[0]
+                move = LoopMove(lambda: _native.SockStep(fd, plan, addrs, pull, tag=req))
+                self._running = (req, move)
+                await move.run(deadline, api)
+                return
+            ctl = _native.Control()
+            self._running = (req, ctl)
             if pull:
                 job = lambda c: _native.sock_send(fds, plan, addrs, c, tag=req)  # noqa: E731
             else:
                 job = lambda c: _native.sock_recv(fds, plan, addrs, c, tag=req)  # noqa: E731
             await self._executor.run(job, deadline=deadline, api=api, control=ctl)
         finally:
-            # executor.run returns (even when cancelled) only once the job has.
+            # Both return (even when cancelled) only once nothing moves any more.
             self._running = None
             self._streams.release(socks)
 

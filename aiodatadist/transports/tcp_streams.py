@@ -19,15 +19,16 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .. import _wire
-from ..errors import LLMException, LLMStatusCode, failure
+from .. import _native, _wire
+from ..errors import LLMException, LLMStatusCode, failure, from_native
 
 if TYPE_CHECKING:
     from .peer import ControlLink
 
-__all__ = ["ACK", "STREAM_SLOTS", "TcpStreams"]
+__all__ = ["ACK", "LOOP_MAX_BYTES", "STREAM_SLOTS", "LoopMove", "TcpStreams"]
 
 log = logging.getLogger("aiodatadist.transports.tcp")
 
@@ -38,6 +39,90 @@ STREAM_SLOTS = 8
 either side's ``tcp_streams``, so peers configured differently still agree on it."""
 CONNECT_TIMEOUT = 10.0
 """How long a background reconnect of the peer-started streams may take."""
+LOOP_MAX_BYTES = 256 * 1024
+"""Transfers up to this size go on one stream, moved by the event loop itself in
+non-blocking steps (:class:`LoopMove`), on both sides: no thread handoff, no thread
+start, one wakeup per readiness. Each step copies at most this much (tens of
+microseconds on the loop thread) and never waits: a peer that stops reading or
+sending only leaves the loop waiting for readiness, under the same deadline."""
+
+
+class LoopMove:
+    """One stream of a tiny transfer, moved on the loop thread (see :data:`LOOP_MAX_BYTES`).
+
+    Args:
+        make: builds the native stepper (``_native.SockStep``); its errors (a bad fd)
+            are raised by :meth:`run`, like a native job's.
+
+    The bytes move only inside ``step()`` calls on the loop thread: once :meth:`run` has
+    returned or raised (timeout, cancel, abort), nothing touches the memory or the fd any
+    more, so the quiescence rule holds without waiting for anything.
+    """
+
+    def __init__(self, make: Callable[[], _native.SockStep]) -> None:
+        self._make = make
+        self._fut: asyncio.Future[None] | None = None
+        self._aborted = False
+
+    def abort(self) -> None:
+        """Ends the transfer as a native job's abort would (``ABORTED``). Called on the
+        loop thread (a step never runs concurrently with it)."""
+        self._aborted = True
+        fut = self._fut
+        if fut is not None and not fut.done():
+            fut.set_exception(_native.NativeError(_native.Status.ABORTED, "transfer aborted"))
+
+    async def run(self, deadline: float | None, api: str | None = None) -> None:
+        """Moves every byte; returns once they all moved.
+
+        Raises:
+            LLMTimeoutError: ``deadline`` passed (nothing moves after it).
+            LLMException: the stream failed (peer closed, another transfer's header, ...)
+                or the move was aborted.
+            asyncio.CancelledError: cancelled (nothing moves after it).
+        """
+        step: _native.SockStep | None = None
+        try:
+            if self._aborted:
+                raise _native.NativeError(_native.Status.ABORTED, "transfer aborted")
+            step = self._make()
+            if step.step():
+                return
+            loop = asyncio.get_running_loop()
+            fut = self._fut = loop.create_future()
+            stepper = step
+
+            def ready() -> None:
+                if fut.done():
+                    return
+                try:
+                    if stepper.step():
+                        fut.set_result(None)
+                except Exception as exc:  # delivered to the awaiting task
+                    fut.set_exception(exc)
+
+            fd = step.fd
+            if step.sending:
+                loop.add_writer(fd, ready)
+            else:
+                loop.add_reader(fd, ready)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await fut
+            finally:
+                if step.sending:
+                    loop.remove_writer(fd)
+                else:
+                    loop.remove_reader(fd)
+        except TimeoutError:
+            moved = (step.bytes_done, step.total) if step is not None else (0, 0)
+            raise failure(
+                LLMStatusCode.LLM_TIMEOUT,
+                f"deadline passed after {moved[0]} of {moved[1]} bytes",
+                api=api,
+            ) from None
+        except _native.NativeError as err:
+            raise from_native(err, api) from err
 
 
 class TcpStreams:

@@ -169,6 +169,7 @@ class _GatedExecutor:
     def __init__(self) -> None:
         self.started = asyncio.Event()
         self.gate = asyncio.Event()
+        self.yield_due = 0.0  # TransferExecutor's: when a fair inline job yields next
 
     async def run(self, job: Any, **_: Any) -> Any:
         self.started.set()

@@ -12,17 +12,29 @@ blocks: a stale or misdirected delivery shows as wrong bytes.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
 import numpy as np
 import pytest
 
-from aiodatadist import BlocksCacheKey, LLMException, LLMRole, LLMStatusCode, _native, _wire
+from aiodatadist import (
+    BlocksCacheKey,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    _native,
+    _wire,
+)
 from aiodatadist.config import DataPath
 from aiodatadist.testing import cluster_info
 from aiodatadist.transports.base import Call
+from aiodatadist.transports.tcp_streams import LOOP_MAX_BYTES
 from tests.xproc import xproc_common as xc
 from tests.xproc.xproc_harness import (
     Harness,
+    PeerProc,
     RawClient,
     decoder_options,
     link,
@@ -57,6 +69,46 @@ async def stats(prompt: object) -> dict[str, int]:
     return dict(r["stats"])
 
 
+# The decoder's pulls in the two tests below take WIDE blocks of the prompt's "wide" cache
+# (distinct bytes per block): over LOOP_MAX_BYTES, so the prompt's one serving thread (the
+# one X holds) serves them; a tiny request would be moved by the serving loop at once.
+WIDE = 24  # blocks per pull: 24 x 4 KiB x 4 tensors = 384 KiB
+WIDE_MODEL = 44
+WIDE_SPEC = xc.Spec("wide", True, False, (12 * WIDE, *xc.BLOCK_SHAPE), model_id=WIDE_MODEL)
+WIDE_SEED = 4242
+
+
+async def wide_setup(h: Harness) -> tuple[PeerProc, LLMDataDist, xc.Local, np.ndarray, xc.Local]:
+    """The prompt (one serving thread, a "wide" cache), the linked decoder, its WIDE-block
+    destination, the wide cache's reference bytes and the decoder's "reg" cache."""
+    assert WIDE * WIDE_SPEC.unit * WIDE_SPEC.num_tensors > LOOP_MAX_BYTES
+    prompt = await h.peer(cluster_id=PROMPT, data_path="tcp", seed=SEED, big_mib=64, options=BUSY)
+    await prompt.ok(
+        "register", name="wide", model_id=WIDE_MODEL, seed=WIDE_SEED,
+        num_blocks=WIDE_SPEC.shape[0],
+    )  # fmt: skip
+    dd, local = await h.local(DECODER, decoder_options("tcp"))
+    await link(dd, prompt, PROMPT)
+    dst_spec = xc.Spec("wide_dst", True, False, (WIDE, *xc.BLOCK_SHAPE), model_id=45)
+    dst = xc.make_cache(dd, dst_spec, None, DECODER)
+    return prompt, dd, dst, xc.pattern(WIDE_SEED, WIDE_SPEC), local["reg"]
+
+
+def wide_pull(dd: LLMDataDist, dst: xc.Local, n: int, timeout: float) -> Coroutine[Any, Any, None]:
+    """Pull number ``n``: source blocks ``[n * WIDE, (n + 1) * WIDE)`` into all of ``dst``."""
+    src = list(range(n * WIDE, (n + 1) * WIDE))
+    return dd.cache_manager.pull_blocks(
+        BlocksCacheKey(PROMPT, WIDE_MODEL), dst.cache, src, list(range(WIDE)),
+        tensor_num_per_layer=2, timeout=timeout,
+    )  # fmt: skip
+
+
+async def wide_pull_and_check(dd: LLMDataDist, dst: xc.Local, ref: np.ndarray, n: int) -> None:
+    await wide_pull(dd, dst, n, 5.0)
+    span = slice(n * WIDE * WIDE_SPEC.unit, (n + 1) * WIDE * WIDE_SPEC.unit)
+    assert np.array_equal(dst.matrix(), ref[:, span]), f"pull {n} holds other bytes"
+
+
 @pytest.mark.asyncio
 async def test_given_up_pulls_are_never_delivered_into_the_next_one() -> None:
     """Finding 1. While X holds the serving thread, the decoder's pull A times out (its
@@ -64,13 +116,7 @@ async def test_given_up_pulls_are_never_delivered_into_the_next_one() -> None:
     with a long deadline, queued behind A's); then X lets go and the decoder pulls C.
     C must hold exactly C's bytes (before: B's), and the link must stay in step."""
     async with Harness() as h:
-        prompt = await h.peer(
-            cluster_id=PROMPT, data_path="tcp", seed=SEED, big_mib=64, options=BUSY
-        )
-        dd, local = await h.local(DECODER, decoder_options("tcp"))
-        await link(dd, prompt, PROMPT)
-        dst = local["reg"]
-        key = BlocksCacheKey(PROMPT, xc.MODEL_REG)
+        prompt, dd, dst, ref, reg = await wide_setup(h)
         for rnd in range(3):
             async with RawClient(prompt.host, prompt.port) as x:
                 await x.handshake(RAW + rnd)
@@ -79,37 +125,26 @@ async def test_given_up_pulls_are_never_delivered_into_the_next_one() -> None:
                 await asyncio.sleep(0.2)  # the serving thread is now stuck sending to X
                 # A: times out while the serving side is busy.
                 with pytest.raises(LLMException) as ei:
-                    await dd.cache_manager.pull_blocks(
-                        key, dst.cache, [rnd], [7], tensor_num_per_layer=2, timeout=0.3
-                    )
+                    await wide_pull(dd, dst, 3 * rnd, 0.3)
                 assert ei.value.status_code == S.LLM_TIMEOUT, ei.value
                 # B: other source blocks, a long deadline, cancelled.
-                b = asyncio.ensure_future(
-                    dd.cache_manager.pull_blocks(
-                        key, dst.cache, [rnd + 3], [7], tensor_num_per_layer=2, timeout=10.0
-                    )
-                )
+                b = asyncio.ensure_future(wide_pull(dd, dst, 3 * rnd + 1, 10.0))
                 await asyncio.sleep(0.3)
                 b.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await asyncio.wait_for(b, 5)
             # X is gone (its stream closed): the serving thread is free again. C: yet other
-            # source blocks into the same destination block; only C's bytes may land.
-            await pull_and_check(dd, dst, PROMPT, SEED, "reg", [7 - rnd], [7], timeout=5.0)
-        # The link is in step: one more pull of other blocks.
-        await pull_and_check(dd, dst, PROMPT, SEED, "reg", [0, 3], [1, 2], timeout=5.0)
+            # source blocks into the same destination blocks; only C's bytes may land.
+            await wide_pull_and_check(dd, dst, ref, 3 * rnd + 2)
+        # The link is in step: one more pull of other blocks (and a tiny one).
+        await wide_pull_and_check(dd, dst, ref, 9)
+        await pull_and_check(dd, reg, PROMPT, SEED, "reg", [0, 3], [1, 2], timeout=5.0)
 
 
 @pytest.mark.asyncio
 async def test_cancelled_pull_is_dropped_by_the_serving_side() -> None:
     async with Harness() as h:
-        prompt = await h.peer(
-            cluster_id=PROMPT, data_path="tcp", seed=SEED, big_mib=64, options=BUSY
-        )
-        dd, local = await h.local(DECODER, decoder_options("tcp"))
-        await link(dd, prompt, PROMPT)
-        dst = local["reg"]
-        key = BlocksCacheKey(PROMPT, xc.MODEL_REG)
+        prompt, dd, dst, ref, _ = await wide_setup(h)
         before = await stats(prompt)
         async with RawClient(prompt.host, prompt.port) as x:
             await x.handshake(RAW)
@@ -117,11 +152,7 @@ async def test_cancelled_pull_is_dropped_by_the_serving_side() -> None:
             await hold_the_serving_thread(x, prompt.cache_id("big"), 1, 1500)
             await asyncio.sleep(0.2)
             # A pull with a long deadline, cancelled while the server still has it.
-            pull = asyncio.ensure_future(
-                dd.cache_manager.pull_blocks(
-                    key, dst.cache, [2], [6], tensor_num_per_layer=2, timeout=10.0
-                )
-            )
+            pull = asyncio.ensure_future(wide_pull(dd, dst, 1, 10.0))
             await asyncio.sleep(0.3)
             pull.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -131,7 +162,7 @@ async def test_cancelled_pull_is_dropped_by_the_serving_side() -> None:
             await until_stats(prompt, lambda st: cancelled(st) == was + 1)
         after = await stats(prompt)
         assert after["served"] == before["served"], (before, after)  # never served
-        await pull_and_check(dd, dst, PROMPT, SEED, "reg", [5], [6], timeout=5.0)
+        await wide_pull_and_check(dd, dst, ref, 2)
         final = await stats(prompt)
         assert final["served"] == before["served"] + 1, (before, final)
 
