@@ -41,6 +41,17 @@ _shm_ids = itertools.count(1)
 # Caches finalize could not free (a copy still ran): kept alive, never unmapped under it.
 _LEAKED: list[CacheEntry] = []
 _TENSOR_ALIGN = 4096
+# Tensors of 2 MiB and more start on a 2 MiB boundary (the segment's mapping does) where that
+# wastes at most a 16th of them: huge pages can then back whole tensors (shmem_enabled).
+_HUGE_ALIGN = 2 << 20
+
+
+def _tensor_stride(size: int) -> int:
+    """Bytes between the tensors of an allocated cache: ``size`` rounded up to 4 KiB or 2 MiB."""
+    huge = -(-size // _HUGE_ALIGN) * _HUGE_ALIGN
+    if size >= _HUGE_ALIGN and (huge - size) * 16 <= size:
+        return huge
+    return -(-size // _TENSOR_ALIGN) * _TENSOR_ALIGN
 
 
 def buffers_to_addrs(desc: CacheDesc, addrs: object) -> tuple[list[int], list[Any] | None]:
@@ -175,13 +186,14 @@ class CacheRegistry:
         model_id: int | None,
         row_keys: Sequence[CacheKey],
     ) -> KvCache:
-        """A new cache in a shared-memory segment (zero-filled, page-aligned tensors).
+        """A new cache in a shared-memory segment (zero-filled, page-aligned tensors;
+        2 MiB-aligned from 2 MiB on where that wastes at most a 16th; every page mapped).
 
         Raises:
             LLMException: the segment could not be created (the native status's code).
             LLMParamError: duplicate or already bound row keys.
         """
-        stride = -(-desc.size // _TENSOR_ALIGN) * _TENSOR_ALIGN
+        stride = _tensor_stride(desc.size)
         total = stride * desc.num_tensors
         name = f"/aiodd-{os.getpid()}-{self.cluster_id}-{next(_shm_ids)}"
         try:

@@ -48,6 +48,16 @@ from typing import Any
 import numpy as np
 from workloads import DEFAULT_SEED, Pull, make_pull
 
+from aiodatadist.cli.stats import (
+    DISAGREE,
+    Summary,
+    disagree_warning,
+    disagreement,
+    fmt_load,
+    load_average,
+    summarize,
+)
+
 HERE = Path(__file__).resolve().parent
 BASELINES = HERE / "bin" / "baselines"
 LIBBASELINES = HERE / "bin" / "libbaselines.so"
@@ -119,7 +129,7 @@ def check_destination(dst: Buffers) -> bool:
 @dataclass
 class Row:
     group: str
-    mover: str  # "C memcpy", "native copy_local", ...
+    mover: str  # "plain-C memcpy gather", "native copy_local", ...
     par: int  # threads or streams
     par_name: str
     samples: list[float] = field(default_factory=list)  # GB/s, timed runs only
@@ -163,8 +173,22 @@ class Row:
     def label(self) -> str:
         return f"{self.mover} ({self.variant})" if self.variant else self.mover
 
+    def paired_spread_vs(self, b: Row | None) -> Summary | None:
+        """The per-round ratios native / baseline."""
+        if b is None or not self.samples or len(b.samples) != len(self.samples):
+            return None
+        return summarize(n / c for n, c in zip(self.samples, b.samples, strict=True))
+
+    def warning(self) -> str | None:
+        """A WARNING when this row's timed transfers disagree by more than 20%."""
+        par = f"{self.par} {self.par_name[:-1] if self.par == 1 else self.par_name}"
+        return disagree_warning(f"{self.group} {self.label}, {par}", self.samples, "GB/s")
+
     def as_json(self) -> dict[str, Any]:
         pr = self.paired_ratio
+        spread = summarize(self.samples)
+        paired = self.paired_spread_vs(self.baseline)
+        d = disagreement(self.samples)
         return {
             "group": self.group,
             "mover": self.mover,
@@ -174,6 +198,10 @@ class Row:
             "min_gbps": round(min(self.samples), 4) if self.samples else None,
             "max_gbps": round(max(self.samples), 4) if self.samples else None,
             "samples_gbps": [round(s, 4) for s in self.samples],
+            "spread_gbps": None if spread is None else spread.as_json(),
+            "paired_ratio_spread": None if paired is None else paired.as_json(),
+            "disagreement": None if d is None else round(d, 4),
+            "warning": self.warning(),
             "verified": self.verified,
             "baseline": None if self.baseline is None else self.baseline.label,
             "ratio": None if self.ratio is None else round(self.ratio, 4),
@@ -413,10 +441,10 @@ def group_memcpy(
     inproc = InProcess(plan, s_bases, d_bases)
     c1 = None
     for t in (2, 1):
-        c = Row("memcpy", "C memcpy", t, "threads")
+        c = Row("memcpy", "plain-C memcpy gather", t, "threads")
         ci = Row(
             "memcpy",
-            "C memcpy",
+            "plain-C memcpy gather",
             t,
             "threads",
             variant="in-process",
@@ -486,10 +514,10 @@ def group_cma(args: argparse.Namespace, nat: Any, pull: Pull, plan: Any, dst: Bu
         d_bases = dst.bases()
         inproc = InProcess(plan, r_bases, d_bases)
         for t in (2, 1):
-            c = Row("cma", "C process_vm_readv", t, "threads")
+            c = Row("cma", "plain-C process_vm_readv gather", t, "threads")
             ci = Row(
                 "cma",
-                "C process_vm_readv",
+                "plain-C process_vm_readv gather",
                 t,
                 "threads",
                 variant="in-process",
@@ -549,10 +577,10 @@ def group_tcp(args: argparse.Namespace, nat: Any, pull: Pull, plan: Any, dst: Bu
     for k in (1, 2):
         # The plain baseline writev's / readv's IOV_MAX iovecs (256 MiB here) per call;
         # the second caps calls at 4 MiB like the native mover (faster on loopback).
-        c = Row("tcp", "C writev/readv", k, "streams", variant="IOV_MAX/call")
+        c = Row("tcp", "plain-C writev/readv", k, "streams", variant="IOV_MAX/call")
         c4 = Row(
             "tcp",
-            "C writev/readv",
+            "plain-C writev/readv",
             k,
             "streams",
             variant="4 MiB/call",
@@ -601,18 +629,26 @@ def group_tcp(args: argparse.Namespace, nat: Any, pull: Pull, plan: Any, dst: Bu
 # --------------------------------------------------------------------------- output
 
 
+def _paired_cell(p: float | None, s: Summary | None) -> str:
+    if p is None or s is None:
+        return ""
+    return f"{p:.3f} ({s.band[1]:.3f}-{s.band[2]:.3f})"
+
+
 def table(rows: list[Row]) -> str:
+    """The rows; ``spread`` is p10-p90 of the timed transfers from 10 up, else min-max."""
     hdr = (
-        f"{'group':<7} {'mover':<34} {'par':>9} {'median GB/s':>11} {'min..max':>13} "
-        f"{'ratio':>7} {'paired':>7}  goal"
+        f"{'group':<7} {'mover':<44} {'par':>9} {'median GB/s':>11} {'spread':>13} "
+        f"{'ratio':>7} {'paired (spread)':>21}  goal"
     )
     lines = [hdr, "-" * (len(hdr) + 12)]
     for r in rows:
         par = f"{r.par} {r.par_name[:-1] if r.par == 1 else r.par_name}"
-        span = f"{min(r.samples):.2f}..{max(r.samples):.2f}" if r.samples else "-"
+        s = summarize(r.samples)
+        span = f"{s.band[1]:.2f}..{s.band[2]:.2f}" if s else "-"
         med = f"{r.median:.2f}" if r.samples else "-"
         ratio = "" if r.ratio is None else f"{r.ratio:.3f}"
-        paired = "" if r.paired_ratio is None else f"{r.paired_ratio:.3f}"
+        paired = _paired_cell(r.paired_ratio, r.paired_spread_vs(r.baseline))
         goal = ""
         verdict = r.paired_ratio if r.paired_ratio is not None else r.ratio
         if r.goal and verdict is not None:
@@ -620,14 +656,14 @@ def table(rows: list[Row]) -> str:
         flag = "" if r.verified else "  DATA MISMATCH"
         note = f"  ({r.note})" if r.note and not r.samples else ""
         lines.append(
-            f"{r.group:<7} {r.label:<34} {par:>9} {med:>11} {span:>13} {ratio:>7} {paired:>7}  "
+            f"{r.group:<7} {r.label:<44} {par:>9} {med:>11} {span:>13} {ratio:>7} {paired:>21}  "
             f"{goal}{flag}{note}"
         )
         for b in r.extra_baselines:
-            xr, xp = r.ratio_vs(b), r.paired_vs(b)
+            xr, xp = r.ratio_vs(b), _paired_cell(r.paired_vs(b), r.paired_spread_vs(b))
             lines.append(
-                f"{'':<7} {'  vs ' + b.label:<34} {'':>9} {'':>11} {'':>13} "
-                f"{'' if xr is None else f'{xr:.3f}':>7} {'' if xp is None else f'{xp:.3f}':>7}"
+                f"{'':<7} {'  vs ' + b.label:<44} {'':>9} {'':>11} {'':>13} "
+                f"{'' if xr is None else f'{xr:.3f}':>7} {xp:>21}"
             )
     return "\n".join(lines)
 
@@ -678,6 +714,8 @@ def main() -> None:
     from aiodatadist import _native as nat
 
     ensure_baselines()
+    load_start = load_average()
+    log(fmt_load("start", load_start))
     pull = make_pull(
         args.workload, "64-random-blocks-all-layers", num_blocks=args.blocks, seed=args.seed
     )
@@ -708,6 +746,7 @@ def main() -> None:
         log("tcp group")
         rows += group_tcp(args, nat, pull, plan, dst)
     elapsed = time.perf_counter() - t_start
+    load_end = load_average()
 
     meta = {
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -733,6 +772,10 @@ def main() -> None:
         "hugepages": args.huge,
         "plan_build_ms": round(plan_ms, 3),
         "elapsed_s": round(elapsed, 1),
+        "loadavg_start": load_start,
+        "loadavg_end": load_end,
+        "band": "p10-p90" if args.repeats >= 10 else "min-max",
+        "disagree_threshold": DISAGREE,
         "unit": "GB/s = 1e9 bytes/s; median of --repeats timed transfers, movers alternated",
         "note": "2-core noisy VM" if os.cpu_count() == 2 else "",
     }
@@ -742,6 +785,18 @@ def main() -> None:
         f"{args.repeats} alternated timed transfers per mover per case; {elapsed:.0f} s\n"
     )
     print(table(rows))
+    band = "p10-p90" if args.repeats >= 10 else "min-max"
+    print(
+        f"\nspread = {band} of the {args.repeats} timed transfers; ratio = native median / "
+        f"baseline median, paired = median of the per-round ratios; a WARNING when a row's "
+        f"transfers disagree: (max-min)/median > {100 * DISAGREE:.0f}%"
+    )
+    print(fmt_load("start", load_start))
+    print(fmt_load("end", load_end))
+    warnings = [w for r in rows if (w := r.warning())]
+    for w in warnings:
+        print(w)
+    meta["warnings"] = warnings
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(

@@ -55,7 +55,11 @@ from typing import Any
 from cbaselines import baseline_spec, c_baselines, find_c_baselines
 from memory_accounting import host_meta, memory_note, observe
 
+from aiodatadist import _native
+from aiodatadist.cli import measure as measure_mod
+from aiodatadist.cli.bench import band_cell, warning_lines
 from aiodatadist.cli.measure import Point, run_workload
+from aiodatadist.cli.stats import DISAGREE, disagree_warning, fmt_load, load_average, summarize
 from aiodatadist.cli.workloads import DEFAULT_SEED, WORKLOADS
 
 GOAL = 0.9
@@ -67,8 +71,80 @@ GOAL_TEXT = {
 }
 
 
+# The decoder's destination: ``aligned``, run_workload's own (one 2 MiB-aligned mapping,
+# MADV_HUGEPAGE); ``numpy``, one ``np.empty`` per tensor as numpy allocates it (16 bytes
+# into a page: relatively misaligned to the page-aligned source), touched.
+DSTS = ("aligned", "numpy")
+DST_TEXT = {"numpy": " (into numpy arrays, 16 bytes into a page)"}
+
+
+def _dst(p: Point) -> str:
+    return str(p.extra.get("dst", "aligned"))
+
+
+def _numpy_dst(shape: tuple[int, ...], dtype: Any) -> list[Any]:
+    """run_workload's destination as numpy allocates it: one array per tensor, touched."""
+    import numpy as np
+
+    out = [np.empty(shape[1:], dtype=dtype) for _ in range(shape[0])]
+    for t in out:
+        t.view(np.uint8).fill(0)
+    return out
+
+
+class FaultCounter:
+    """Minor page faults of this process (the decoder) per ``pull_blocks``, per measurement.
+
+    ``observe`` (run after each measurement) takes the counts since the last one: the
+    first is the warm-up pull (it maps a peer's memory), the rest are warm pulls.
+    """
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def install(self) -> None:
+        import resource
+
+        from aiodatadist.cache_manager import CacheManager
+
+        orig = CacheManager.pull_blocks
+        counts = self.counts
+
+        async def pull_blocks(cm: Any, *a: Any, **kw: Any) -> Any:
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            try:
+                return await orig(cm, *a, **kw)
+            finally:
+                counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+
+        CacheManager.pull_blocks = pull_blocks  # type: ignore[method-assign]
+
+    def observe(self, dst: str) -> Any:
+        def hook(point: Point, engine: Any, base: Any, mem: list[Any]) -> None:
+            observe(point, engine, base, mem)
+            point.extra["dst"] = dst
+            if dst != "aligned":
+                point.extra["memory"] = f"{point.extra.get('memory', '')}/{dst}"
+            warm = sorted(self.counts[1:])
+            point.extra["faults_per_pull"] = {
+                "first": self.counts[0] if self.counts else None,
+                "warm_median": statistics.median(warm) if warm else None,
+                "warm_max": warm[-1] if warm else None,
+            }
+            self.counts.clear()
+
+        return hook
+
+
+def _faults(p: Point) -> str:
+    f = p.extra.get("faults_per_pull") or {}
+    return "-" if f.get("warm_median") is None else f"{f['warm_median']:.0f}/{f['warm_max']}"
+
+
 def _span(xs: list[float]) -> str:
-    return f"{min(xs):.2f}..{max(xs):.2f}" if xs else "-"
+    """The band of the samples: p10..p90 from 10 up, else min..max (aiodatadist.cli.stats)."""
+    s = summarize(xs)
+    return f"{s.band[1]:.2f}..{s.band[2]:.2f}" if s else "-"
 
 
 def _f(x: float | None, spec: str = ".3f") -> str:
@@ -84,8 +160,9 @@ def _verdict(p: Point) -> str:
 
 def table(points: list[Point]) -> str:
     hdr = (
-        f"{'path':<5} {'memory':<12} {'engine GB/s':>11} {'min..max':>12}  {'baseline':<24} "
-        f"{'GB/s':>6} {'min..max':>12} {'ratio':>6} {'paired':>6}  {'huge e/b':<9}  goal"
+        f"{'path':<5} {'memory':<17} {'engine GB/s':>11} {'spread':>12}  {'baseline':<24} "
+        f"{'GB/s':>6} {'spread':>12} {'ratio':>6} {'paired (spread)':>17}  {'huge e/b':<9}  "
+        f"{'faults':>7}  goal"
     )
     lines = [hdr, "-" * (len(hdr) + 16)]
     for p in points:
@@ -96,10 +173,11 @@ def table(points: list[Point]) -> str:
         flag = "" if p.verified else "  DATA MISMATCH"
         memory = p.extra.get("memory", "")
         lines.append(
-            f"{p.path:<5} {memory:<12} {_f(p.median, '.2f'):>11} {_span(p.samples):>12}  "
+            f"{p.path:<5} {memory:<17} {_f(p.median, '.2f'):>11} {_span(p.samples):>12}  "
             f"{p.baseline or '-':<24} {_f(p.baseline_median, '.2f'):>6} "
-            f"{_span(p.baseline_samples):>12} {_f(p.ratio):>6} {_f(p.paired_ratio):>6}  "
-            f"{huge:<9}  {_verdict(p)}{flag}" + (f"  ({p.note})" if p.note else "")
+            f"{_span(p.baseline_samples):>12} {_f(p.ratio):>6} "
+            f"{band_cell(p.paired_spread, True):>17}  {huge:<9}  {_faults(p):>7}  "
+            f"{_verdict(p)}{flag}" + (f"  ({p.note})" if p.note else "")
         )
     return "\n".join(lines)
 
@@ -107,19 +185,22 @@ def table(points: list[Point]) -> str:
 def summary(runs: list[list[Point]], tcp_batch_bytes: int = 0) -> dict[str, dict[str, Any]]:
     """Per path, over the runs: the medians and the paired ratios, and the verdict."""
     out: dict[str, dict[str, Any]] = {}
-    for path in PATHS:
-        pts = [p for run in runs for p in run if p.path == path]
+    for path, dst in [(p, d) for p in PATHS for d in DSTS]:
+        pts = [p for run in runs for p in run if p.path == path and _dst(p) == dst]
         paired = [p.paired_ratio for p in pts if p.paired_ratio is not None]
         if not paired:
             continue
         med = statistics.median(paired)
-        out[path] = {
+        out[path if dst == "aligned" else f"{path}/{dst}"] = {
             "goal": GOAL_TEXT[path]
             + (
                 " (capped calls: stronger than the plain one)"
                 if path == "tcp" and tcp_batch_bytes
                 else ""
-            ),
+            )
+            + (DST_TEXT[dst] if dst != "aligned" else ""),
+            "dst": dst,
+            "faults_per_pull": [p.extra.get("faults_per_pull") for p in pts],
             "baseline": pts[0].baseline,
             "memory": pts[0].extra.get("memory", ""),
             "runs": len(pts),
@@ -144,12 +225,22 @@ async def measure(args: argparse.Namespace) -> list[list[Point]]:
         t0 = time.perf_counter()
         load = os.getloadavg()[0]
         skipped: dict[str, str] = {}
-        points = await run_workload(
-            w, args.pool, [args.blocks], args.paths, args, None, skipped,
-            baseline=c_baselines(exe, args.tcp_batch_bytes), observe=observe,
-        )  # fmt: skip
+        points = []
+        for dst in args.dst:
+            # The numpy case: run_workload's destination allocated by numpy instead.
+            orig_buffer = measure_mod.host_buffer
+            if dst == "numpy":
+                measure_mod.host_buffer = _numpy_dst  # type: ignore[assignment]
+            try:
+                points += await run_workload(
+                    w, args.pool, [args.blocks], args.paths, args, None, skipped,
+                    baseline=c_baselines(exe, args.tcp_batch_bytes),
+                    observe=args.faults.observe(dst),
+                )  # fmt: skip
+            finally:
+                measure_mod.host_buffer = orig_buffer
         order = {p: k for k, p in enumerate(PATHS)}
-        points.sort(key=lambda p: order[p.path])
+        points.sort(key=lambda p: (order[p.path], DSTS.index(_dst(p))))
         runs.append(points)
         print(
             f"\nrun {i + 1}/{args.runs} ({time.perf_counter() - t0:.0f} s, load average "
@@ -159,6 +250,8 @@ async def measure(args: argparse.Namespace) -> list[list[Point]]:
         print(table(points), flush=True)
         for path, reason in skipped.items():
             print(f"skipped {path}: {reason}")
+        for line in warning_lines(points):
+            print(line, flush=True)
     return runs
 
 
@@ -185,11 +278,30 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="an init option of the decoders (e.g. aiodatadist.MoverThreads=2), repeatable",
     )
+    ap.add_argument(
+        "--dst",
+        default=",".join(DSTS),
+        help="the decoder's destinations, comma-separated: aligned (one 2 MiB-aligned "
+        "mapping), numpy (np.empty per tensor, 16 bytes into a page); default both",
+    )
+    ap.add_argument(
+        "--copy-mode",
+        default="auto",
+        choices=("auto", "memcpy", "stream"),
+        help="the local mover's kernel in the decoder (_native.set_copy_mode; memcpy: as "
+        "before issue 13)",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args()
     args.paths = [p for p in args.paths.split(",") if p]
     if not args.paths or any(p not in PATHS for p in args.paths):
         ap.error(f"--paths: a comma-separated subset of {','.join(PATHS)}")
+    args.dst = [d for d in args.dst.split(",") if d]
+    if not args.dst or any(d not in DSTS for d in args.dst):
+        ap.error(f"--dst: a comma-separated subset of {','.join(DSTS)}")
+    _native.set_copy_mode(args.copy_mode)
+    args.faults = FaultCounter()
+    args.faults.install()
     if args.repeats < 7:
         ap.error("--repeats must be >= 7")
     if not 1 <= args.blocks <= args.pool:
@@ -208,11 +320,19 @@ def main() -> None:
         + (f"; decoder options {args.decoder_options}" if args.decoder_options else ""),
         flush=True,
     )
+    load_start = load_average()
+    print(fmt_load("start", load_start), flush=True)
     t0 = time.perf_counter()
     runs = asyncio.run(measure(args))
     elapsed = time.perf_counter() - t0
+    load_end = load_average()
     print()
     print(memory_note())
+    print(
+        "spread = p10..p90 of the samples from 10 up, else min..max; paired (spread) = median "
+        "(band) of the per-sample ratios;\na WARNING when the samples (or runs) of one figure "
+        f"disagree: (max-min)/median > {100 * DISAGREE:.0f}%"
+    )
     summ = summary(runs, args.tcp_batch_bytes)
     print(f"\nGoals (paired ratio; median over {args.runs} run{'s' * (args.runs > 1)}):")
     for s in summ.values():
@@ -221,7 +341,14 @@ def main() -> None:
         )
         verdict = "met" if s["goal_met"] else "MISSED"
         print(f"  {s['goal']:<52} paired {s['paired_ratio_median']:.3f}{spread}: {verdict}")
-    print(f"({elapsed:.0f} s)")
+    warnings = [w for run in runs for w in warning_lines(run)]
+    for s in summ.values():  # across runs: the paired ratios of one path
+        line = disagree_warning(f"{s['goal']}, paired ratio over the runs", s["paired_ratios"])
+        if line:
+            print(line)
+            warnings.append(line)
+    print(fmt_load("end", load_end))
+    print(f"({elapsed:.0f} s, {len(warnings)} warning{'s' * (len(warnings) != 1)})")
     if args.json:
         doc = {
             "meta": {
@@ -237,10 +364,16 @@ def main() -> None:
                 "seed": args.seed,
                 "decoder_options": args.decoder_options,
                 "tcp_batch_bytes": args.tcp_batch_bytes,
+                "dst": args.dst,
+                "copy_mode": args.copy_mode,
                 "unit": "GB/s = 1e9 bytes/s",
                 "elapsed_s": round(elapsed, 1),
+                "loadavg_start": load_start,
+                "loadavg_end": load_end,
+                "disagree_threshold": DISAGREE,
             },
             "memory_note": memory_note(),
+            "warnings": warnings,
             "runs": [[p.as_json() for p in run] for run in runs],
             "summary": summ,
         }

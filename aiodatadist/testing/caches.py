@@ -5,7 +5,7 @@
   pattern; :class:`FilledCache` holds it with numpy views of its tensors.
 * :func:`host_buffer`: host memory as a serving process registers it (anonymous,
   2 MiB-aligned, ``MADV_HUGEPAGE``, touched); ``make_blocks_cache(huge_pages=True)``
-  registers a cache on it.
+  registers a cache on it (otherwise on page-aligned tensors, one mapping each).
 * :class:`PromptSpec`: the blocks cache a peer process serves, as JSON on its command
   line, so both processes know its geometry and seed.
 * :func:`cluster_info`: the ``LLMClusterInfo`` of a link.
@@ -65,7 +65,7 @@ HUGE_PAGE_BYTES = 2 << 20
 """The transparent huge page size :func:`host_buffer` aligns to (x86-64, arm64 4K)."""
 
 
-def host_buffer(shape: int | Sequence[int], dtype: Any, *, huge_pages: bool = True) -> Any:
+def host_buffer(shape: int | Sequence[int], dtype: Any, *, huge_pages: bool | None = True) -> Any:
     """A zeroed numpy array on its own anonymous mapping, every page touched.
 
     What a serving process does with host memory it registers: the mapping is
@@ -80,7 +80,8 @@ def host_buffer(shape: int | Sequence[int], dtype: Any, *, huge_pages: bool = Tr
         shape: the array's shape.
         dtype: a numpy dtype.
         huge_pages: True: ``MADV_HUGEPAGE``; False: ``MADV_NOHUGEPAGE`` (4 KiB pages
-            for certain, e.g. for a benchmark that compares both).
+            for certain, e.g. for a benchmark that compares both); None: no advice (the
+            kernel's default), page-aligned.
 
     The memory is unmapped when the array (and every view of it) is gone.
     """
@@ -99,7 +100,7 @@ def host_buffer(shape: int | Sequence[int], dtype: Any, *, huge_pages: bool = Tr
     raw = np.frombuffer(mm, dtype=np.uint8)
     offset = -raw.ctypes.data % HUGE_PAGE_BYTES if slack else 0
     advice = getattr(mmap, "MADV_HUGEPAGE" if huge_pages else "MADV_NOHUGEPAGE", None)
-    if advice is not None:
+    if advice is not None and huge_pages is not None:
         with contextlib.suppress(OSError):  # THP compiled out, or a kernel without it
             mm.madvise(advice)
     raw = raw[offset : offset + nbytes]
@@ -145,11 +146,10 @@ def make_blocks_cache(
             # huge pages then cover tensors smaller than one, too.
             tensors = list(host_buffer((num_tensors, *desc.shape), dtype))
         else:
-            # np.empty + fill touches every page now, so the first transfer does not
-            # pay for page faults (a serving cache is resident too).
-            tensors = [np.empty(desc.shape, dtype=dtype) for _ in range(num_tensors)]
-            for t in tensors:
-                t.view(np.uint8).fill(0)
+            # Page-aligned (numpy's own allocations start 16 bytes into a page), every
+            # page touched, so the first transfer does not pay for page faults (a
+            # serving cache is resident too).
+            tensors = [host_buffer(desc.shape, dtype, huge_pages=None) for _ in range(num_tensors)]
         cache = cm.register_blocks_cache(desc, tensors, key)
     if seed is not None:
         if pattern:

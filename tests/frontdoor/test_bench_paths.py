@@ -133,7 +133,9 @@ def test_bench_paths_small_run(tmp_path: Path) -> None:
         assert len(p["samples_gbps"]) == len(p["baseline_samples_gbps"]) == 7
         assert p["paired_ratio"] > 0 and p["memory"]
         assert p["baseline"].startswith("C ")
-    assert set(doc["summary"]) == {p["path"] for p in points}
+    # Summary keys: the path, or "path/destination kind" (e.g. "shm/numpy": numpy arrays).
+    assert {k.split("/")[0] for k in doc["summary"]} == {p["path"] for p in points}
+    assert isinstance(doc["warnings"], list) and len(doc["meta"]["loadavg_end"]) == 3
 
 
 @pytest.mark.slow  # a benchmark run
@@ -160,3 +162,14 @@ def test_bench_workloads_c_baselines_json_and_plot(tmp_path: Path) -> None:
         assert r["memory"] and "huge_pages_engine" in r and "huge_pages_baseline" in r
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "huge e/b" in proc.stdout and "memory = source->destination" in proc.stdout
+    # Trustworthy output (issue 13 item 5): spreads, latency, named baselines, load, warnings.
+    assert len(doc["meta"]["loadavg_start"]) == 3 and "load average at end" in proc.stdout
+    assert doc["meta"]["band"] == "min-max" and isinstance(doc["warnings"], list)
+    assert set(doc["baseline_descriptions"]) == {r["baseline"] for r in doc["results"]}
+    assert "plain-C memcpy gather" in doc["baseline_descriptions"]["C memcpy"]
+    for r in doc["results"]:
+        assert r["spread_gbps"]["n"] == r["baseline_spread_gbps"]["n"] == 3
+        assert r["latency_us"]["n"] > 3  # small pulls: every engine pull timed
+        assert r["baseline_latency_kind"] == "mean per round"  # the C servers time batches
+    for w in doc["warnings"]:
+        assert w in proc.stdout
