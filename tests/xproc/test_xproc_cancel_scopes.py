@@ -105,8 +105,9 @@ async def _cancel_every_way(pair: RemotePair) -> None:
 
 
 def _spec(path: str) -> PromptSpec:
-    # 2 x 16 x 4 MiB: a whole-cache pull is still in flight when the cancel lands.
-    return PromptSpec(num_tensors=2, num_blocks=16, block_shape=(4 << 20,), dtype="uint8",
+    # 2 x 64 x 4 MiB on one mover thread: a whole-cache pull (512 MiB, tens of ms even with
+    # prefaulted memory and streaming stores) is still in flight when the cancel lands.
+    return PromptSpec(num_tensors=2, num_blocks=64, block_shape=(4 << 20,), dtype="uint8",
                       seed=next(_seeds), allocate=(path == "shm"))
 
 
