@@ -266,6 +266,12 @@ class TransferExecutor:
                 native job has returned.
         """
         loop = asyncio.get_running_loop()
+        if deadline is not None and loop.time() >= deadline:
+            # Spent before a byte moved (a slot wait, or a budget too small to start):
+            # the call's one deadline holds however fast the job would have been.
+            raise failure(
+                LLMStatusCode.LLM_TIMEOUT, "deadline passed before the transfer started", api=api
+            )
         ctl = control if control is not None else _native.Control()
         if inline:
             # A job this small costs less than the two thread handoffs it would need.

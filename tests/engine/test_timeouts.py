@@ -302,3 +302,18 @@ async def test_deadline_holds_for_a_call_arriving_as_the_link_changes_hands(pair
     assert tracker.entered() == ["pull:holder", "pull:waiter"]
     assert _pulled(src, dst, [0, 1], [0, 1])
     await _normal_pull_works(pair, src, dst, [2], [2])
+
+
+async def test_a_deadline_spent_before_the_transfer_starts_moves_nothing(pair: Pair) -> None:
+    # However fast the copy would be (this one is tiny and runs inline), a budget that is
+    # gone by the time the job would start is a timeout, and no byte lands.
+    if any(c.__module__.startswith("uvloop") for c in type(asyncio.get_running_loop()).__mro__):
+        pytest.skip("uvloop's loop.time() is the iteration's cached millisecond clock")
+    src, dst = _small(pair)
+    before = [t.view(np.uint8).copy() for t in dst.tensors]
+    with pytest.raises(LLMTimeoutError) as info:
+        await pair.decoder.cache_manager.pull_blocks(pair.key(), dst.cache, [1], [2], timeout=1e-9)
+    _assert_timeout(info.value)
+    after = [t.view(np.uint8) for t in dst.tensors]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+    await _normal_pull_works(pair, src, dst, [1], [2])
