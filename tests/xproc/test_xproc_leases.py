@@ -384,11 +384,11 @@ async def test_a_stalled_reader_holds_off_unregister(ending: str) -> None:
             },
             role=LLMRole.PROMPT,
             seed=SEED,
-            big_mib=256,
+            big_mib=512,  # a copy long enough to be caught mid-way under load
         )
         host, port = prompt_dd.listen_address or ("", 0)
         decoder = await h.peer(
-            cluster_id=DECODER, role="decoder", listen=None, data_path="cma", big_mib=256
+            cluster_id=DECODER, role="decoder", listen=None, data_path="cma", big_mib=512
         )
         reply = await decoder.ok("link", cluster_id=PROMPT, host=host, port=port)
         assert reply["status"] == 0, reply
