@@ -23,14 +23,16 @@ from ._validate import (
     require,
 )
 from .errors import LLMStatusCode, failure
-from .types import BlocksCacheKey, CacheDesc, CacheKey
+from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex
 
 if TYPE_CHECKING:
     from ._caches import CacheEntry
+    from ._registration import CacheRegistry
     from ._runtime import Runtime
 
 __all__ = [
     "MISSING",
+    "blocks_pull_request",
     "check_cache_key",
     "check_row_keys",
     "check_tensor_num",
@@ -306,3 +308,36 @@ def row_copy_segments(
     )
     so, do = sb * src.block_bytes + off, db * dst.block_bytes + off
     return tuple((t, so, t, do, n) for t in range(src.num_tensors))
+
+
+def blocks_pull_request(
+    rt: Runtime,
+    caches: CacheRegistry,
+    src_cache_key: object,
+    dst_cache: object,
+    src_blocks: object,
+    dst_blocks: object,
+    tensor_num_per_layer: object,
+    src_layer_range: object,
+    dst_layer_range: object,
+    timeout: object,
+) -> PullRequest:
+    """``pull_blocks``'s checks, in upstream's order, and its one request (shared with
+    ``pull_blocks_layerwise``)."""
+    rt.require_ready()
+    check_type("src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey))
+    assert isinstance(src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey))
+    local = caches.live("dst_cache", dst_cache)
+    require(local.is_blocks, "dst_cache must be a blocks cache")
+    src, dst = pull_block_lists(src_cache_key, local, src_blocks, dst_blocks)
+    return pull_request(
+        rt,
+        src_cache_key,
+        local,
+        tensor_num_per_layer,
+        src_layer_range,
+        dst_layer_range,
+        timeout,
+        src_blocks=tuple(src),
+        dst_blocks=tuple(dst),
+    )

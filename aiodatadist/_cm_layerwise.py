@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 from . import _runner
 from ._bridge import bridged, public
-from ._checks import pull_block_lists, pull_request
+from ._checks import blocks_pull_request
 from ._executor import quiesce
 from ._plan import PullRequest, resolve, tensor_span
-from ._validate import check_int, check_type, require
+from ._validate import check_int, require
 from .errors import LLMException, LLMStatusCode, api_scope
 from .types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, KvCache
 
@@ -338,27 +338,24 @@ class LayerwiseMixin:
         where the layer it hit is asked for, and ``asyncio.CancelledError`` once the
         stream's native jobs have returned.
         """
-        self._rt.require_ready()
-        check_type("src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey))
-        local = self._caches.live("dst_cache", dst_cache)
-        require(local.is_blocks, "dst_cache must be a blocks cache")
-        src, dst = pull_block_lists(src_cache_key, local, src_blocks, dst_blocks)
-        whole = pull_request(
+        whole = blocks_pull_request(
             self._rt,
+            self._caches,
             src_cache_key,
-            local,
+            dst_cache,
+            src_blocks,
+            dst_blocks,
             tensor_num_per_layer,
             src_layer_range,
             dst_layer_range,
             timeout,
-            src_blocks=tuple(src),
-            dst_blocks=tuple(dst),
         )
         ahead = check_int("depth", depth, min_value=1)
+        local = whole.local
         layers = _layer_pairs(local.num_tensors, whole)
-        t = whole.tensors_per_layer
+        nbytes = len(whole.dst_blocks) * local.block_bytes * whole.tensors_per_layer
         link = self._rt.links.get(whole.cluster_id)
-        return LayerStream(self._rt, link, whole, layers, len(dst) * local.block_bytes * t, ahead)
+        return LayerStream(self._rt, link, whole, layers, nbytes, ahead)
 
 
 def _layer_pairs(dst_tensors: int, whole: PullRequest) -> list[tuple[int, int]]:

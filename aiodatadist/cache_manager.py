@@ -24,10 +24,10 @@ from . import _runner
 from ._bridge import public
 from ._checks import (
     MISSING,
+    blocks_pull_request,
     check_cache_key,
     check_row_keys,
     copy_pairs,
-    pull_block_lists,
     pull_names,
     pull_request,
 )
@@ -288,21 +288,17 @@ class CacheManager(PushMixin, LocalMixin, LayerwiseMixin):
             src_cache_key, dst_cache, src_blocks, dst_blocks = pull_names(
                 src_cache_key, dst_cache, src_blocks, dst_blocks, v1_names
             )
-        self._rt.require_ready()
-        check_type("src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey))
-        local = self._caches.live("dst_cache", dst_cache)
-        require(local.is_blocks, "dst_cache must be a blocks cache")
-        src, dst = pull_block_lists(src_cache_key, local, src_blocks, dst_blocks)
-        request = pull_request(
+        request = blocks_pull_request(
             self._rt,
+            self._caches,
             src_cache_key,
-            local,
+            dst_cache,
+            src_blocks,
+            dst_blocks,
             tensor_num_per_layer,
             src_layer_range,
             dst_layer_range,
             timeout,
-            src_blocks=tuple(src),
-            dst_blocks=tuple(dst),
         )
         await _runner.run(self._rt, self._rt.links.get(request.cluster_id), request)
 
