@@ -69,8 +69,12 @@ class TensorMemory:
     source: str
 
 
-def tensor_memory(obj: object, name: str) -> TensorMemory:
+def tensor_memory(obj: object, name: str, *, export_device: bool = False) -> TensorMemory:
     """The memory of ``obj`` (an argument called ``name``), read as the module doc says.
+
+    ``export_device``: read a DLPack device tensor's address and layout (its capsule is
+    exported, and kept); otherwise such a tensor is only recognized (``addr`` 0), for a
+    caller that refuses device memory without touching the tensor.
 
     Raises:
         TypeError: ``obj`` offers none of the protocols, or offers one incompletely.
@@ -92,7 +96,7 @@ def tensor_memory(obj: object, name: str) -> TensorMemory:
         getattr(obj, "__dlpack_device__", None)
     ):
         try:
-            return _from_dlpack(obj, name)
+            return _from_dlpack(obj, name, export_device)
         except _EXPORT_ERRORS as e:
             if not callable(getattr(obj, "data_ptr", None)):
                 raise TypeError(f"{name}: DLPack export failed: {e}") from e
@@ -174,15 +178,16 @@ def _from_cuda_interface(obj: object, interface: Any, name: str) -> TensorMemory
     )
 
 
-def _from_dlpack(obj: Any, name: str) -> TensorMemory:
+def _from_dlpack(obj: Any, name: str, export_device: bool) -> TensorMemory:
     try:
         dev_type, dev_id = (int(x) for x in obj.__dlpack_device__())
     except (TypeError, ValueError) as e:
         raise TypeError(f"{name}: __dlpack_device__() must return (type, id)") from e
     if dev_type not in _DLPACK_HOST:
-        # Not exported: a device tensor's memory is never touched here.
         label = f"{_DLPACK_DEVICE.get(dev_type, f'dlpack-device-{dev_type}')}:{dev_id}"
-        return TensorMemory(0, 0, Placement.DEVICE, label, True, None, obj, "__dlpack__")
+        if not export_device:  # recognized only: nothing of the tensor is touched
+            return TensorMemory(0, 0, Placement.DEVICE, label, True, None, obj, "__dlpack__")
+        return _device_dlpack(obj, name, label)
     import numpy as np
 
     # A zero-copy view; it holds the exporter's capsule (and so the memory) alive.
@@ -199,6 +204,67 @@ def _from_dlpack(obj: Any, name: str) -> TensorMemory:
         bool(view.flags.writeable),
         view,
         "__dlpack__",
+    )
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = (("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32))
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = (("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16))
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = (
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    )
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = (ctypes.py_object, ctypes.c_char_p)
+_capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
+_capsule_is_valid.restype = ctypes.c_int
+_capsule_is_valid.argtypes = (ctypes.py_object, ctypes.c_char_p)
+
+
+def _device_dlpack(obj: Any, name: str, label: str) -> TensorMemory:
+    """A device tensor's address and layout, read from its DLPack capsule's ``DLTensor``.
+
+    The struct lives in host memory; the device memory it points to is never touched.
+    The capsule is not consumed: it is kept (with ``obj``) for as long as the memory is
+    registered, and its own destructor releases the exporter's reference when dropped.
+    """
+    try:
+        capsule = obj.__dlpack__()
+    except _EXPORT_ERRORS as e:
+        raise TypeError(f"{name}: DLPack export failed: {e}") from e
+    if not _capsule_is_valid(capsule, b"dltensor"):
+        raise TypeError(f"{name}: __dlpack__() did not return a 'dltensor' capsule")
+    t = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
+    ndim = int(t.ndim)
+    if ndim < 0 or ndim > 64 or (ndim and not t.shape):
+        raise TypeError(f"{name}: DLPack tensor with a malformed shape (ndim {ndim})")
+    shape = [int(t.shape[i]) for i in range(ndim)]
+    strides = [int(t.strides[i]) for i in range(ndim)] if t.strides else None
+    bits, lanes = int(t.dtype.bits), int(t.dtype.lanes)
+    itemsize = bits * lanes // 8
+    if itemsize <= 0 or bits * lanes % 8 or any(n < 0 for n in shape):
+        raise TypeError(f"{name}: DLPack tensor with an unsupported dtype or shape")
+    contiguous = True
+    if strides is not None:  # DLPack strides count elements, not bytes
+        contiguous = _c_contiguous(shape, [s * itemsize for s in strides], itemsize)
+    addr = int(t.data or 0) + int(t.byte_offset)
+    nbytes = math.prod(shape) * itemsize
+    return TensorMemory(
+        addr, nbytes, Placement.DEVICE, label, contiguous, None, (obj, capsule), "__dlpack__"
     )
 
 
