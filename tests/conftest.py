@@ -53,6 +53,33 @@ def pytest_asyncio_loop_factories(
     return {"asyncio": asyncio.new_event_loop, "uvloop": _UvLoop}
 
 
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    # Where engine tests must not skip (CI): each engine's state heads the log.
+    from tests._engines import engine_reason, engines_required
+
+    if not engines_required():
+        return []
+    return [f"engine {n}: {engine_reason(n) or 'available'}" for n in ("nixl", "mooncake")]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, None, None]:
+    # Under AIODATADIST_REQUIRE_ENGINES=1 (CI) a skip because an engine cannot run is a
+    # failure, however the test skipped (tests/_engines.py, or engine_unavailable itself).
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and isinstance(report.longrepr, tuple)) or hasattr(report, "wasxfail"):
+        return
+    from tests._engines import REQUIRE_ENGINES_ENV, engines_required, unavailable_engine_in
+
+    reason = str(report.longrepr[2])
+    if engines_required() and unavailable_engine_in(reason) is not None:
+        report.outcome = "failed"
+        report.longrepr = f"{REQUIRE_ENGINES_ENV}=1 but this test skipped: {reason}"
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     # What the run holds for its whole length (the modules, the collected items) leaves
     # the collector's view: a gc.collect() between tests (tests/engine does one before

@@ -1,5 +1,8 @@
 """``aiodatadist doctor``: which data paths work here and, for those that do not, why.
 
+Then the transfer engines (NIXL, Mooncake: installed? usable? what they found, each
+probed in a child process) and the fabric (RDMA NICs, GPUs, NPUs): ``doctor_engines``.
+
 Every probe is real: shared memory is created here and read by a child process;
 ``process_vm_readv`` is tried by this process on a child (a descendant) and by one
 child on a sibling (an unrelated process, as a decoder and a prompt started apart
@@ -29,6 +32,7 @@ from typing import Any
 
 from .._options import DataPath
 from ..testing.peer import python_argv, python_env
+from .doctor_engines import engines_section, print_engines
 
 __all__ = ["clean_stale_segments", "run_doctor"]
 
@@ -428,12 +432,15 @@ async def run_doctor(args: argparse.Namespace) -> int:
     vers = versions()
     lims = limits()
     reports = {DataPath.INPROC: probe_inproc()}
+    # The engines' child probes (seconds: large imports) run meanwhile, on their own thread.
+    engines_job = loop.run_in_executor(None, engines_section)
     for probe in (probe_shm, probe_cma, probe_tcp):
         # Blocking probes (child processes) run off the loop, bounded by _PROBE_TIMEOUT each.
         rep = await loop.run_in_executor(None, probe)
         reports[rep.name] = rep
     if args.pull:
         await _end_to_end(reports)
+    engines, fabric = await engines_job
     works = [
         n
         for n in CROSS_PROCESS
@@ -455,6 +462,7 @@ async def run_doctor(args: argparse.Namespace) -> int:
             print(f"  {'':<7} {'':<14} note: {note}")
         if rep.pull is not None:
             print(f"  {'':<7} {'':<14} end-to-end pull from a prompt process: {rep.pull}")
+    print_engines(engines, fabric)
     if cleaned is not None:
         removed, failed = cleaned
         print("\nclean")
@@ -480,6 +488,8 @@ async def run_doctor(args: argparse.Namespace) -> int:
             "limits": lims,
             "paths": {n: asdict(r) for n, r in reports.items()},
             "cross_process_paths": works,
+            "engines": {n: asdict(r) for n, r in engines.items()},
+            "fabric": fabric,
         }
         if cleaned is not None:
             doc["clean"] = {"removed": [p for p, _ in cleaned[0]], "failed": cleaned[1]}

@@ -6,6 +6,7 @@ import errno
 import io
 import itertools
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aiodatadist.cli import Progress, build_parser
+from aiodatadist._engine_env import engine_problem, engine_version
+from aiodatadist.cli import Progress, build_parser, doctor_engines
 from aiodatadist.cli import doctor as cli_doctor
 from aiodatadist.cli.measure import NATIVE_BASELINE
 from aiodatadist.cli.workloads import DEFAULT_SEED, WORKLOADS, blocks_hash, random_blocks
 from aiodatadist.testing import fill_pattern, pattern_blocks, pattern_mismatches
+from tests._engines import require_engine_installed
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(sys.executable).with_name("aiodatadist")
@@ -204,6 +207,103 @@ def test_doctor_lists_every_path(tmp_path: Path) -> None:
     assert doc["paths"]["tcp"]["works"] is True
     assert doc["paths"]["tcp"]["pull"] == "pulled and verified"
     assert doc["cross_process_paths"]
+    # The engines section: each engine's verdict is what the environment check says.
+    assert "\nengines (" in proc.stdout and "\nfabric\n" in proc.stdout
+    assert set(doc["engines"]) == {"nixl", "mooncake"}
+    for name, rep in doc["engines"].items():
+        problem = engine_problem(name)
+        assert (problem is None) or (rep["works"] is False and rep["detail"] == problem)
+        if rep["works"]:
+            assert "tcp" in rep["transports"], rep
+    assert set(doc["fabric"]) == {"rdma", "gpus", "npus", "libibverbs"}
+
+
+@pytest.mark.parametrize("name", ["nixl", "mooncake"])
+def test_doctor_engine_probe_starts_the_engine(name: str) -> None:
+    require_engine_installed(name)
+    rep = doctor_engines.probe_engine(name)
+    assert rep.works, rep
+    assert rep.version == engine_version(name)
+    assert "tcp" in rep.transports
+    if name == "nixl":
+        assert rep.detail.startswith("the UCX backend starts (memory: DRAM_SEG")
+        assert any(n.startswith("plugins: ") and "UCX" in n for n in rep.notes), rep.notes
+        assert any(n.startswith("UCX modules in the wheel: ") and "cma" in n for n in rep.notes)
+    else:
+        assert rep.detail.startswith("TransferEngine starts (tcp")
+
+
+def test_doctor_engine_not_installed_says_how_to_install() -> None:
+    # A child where the engine modules are blocked (as on a host without them).
+    code = """
+import json, sys
+sys.modules["nixl_cu12"] = None
+sys.modules["mooncake.engine"] = None
+from dataclasses import asdict
+from aiodatadist.cli import doctor_engines
+print(json.dumps([asdict(doctor_engines.probe_engine(n)) for n in ("nixl", "mooncake")]))
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    nixl, mooncake = json.loads(proc.stdout)
+    assert nixl["works"] is False and mooncake["works"] is False
+    assert nixl["detail"].startswith("nixl-cu12 is not installed: pip install ")
+    assert mooncake["detail"] == (
+        "mooncake-transfer-engine-non-cuda is not installed: pip install 'aiodatadist[mooncake]'"
+    )
+    assert nixl["transports"] == mooncake["transports"] == []
+
+
+def test_doctor_survives_an_engine_probe_that_crashes() -> None:
+    found, why = doctor_engines._run_probe("import os; print('partial'); os.abort()")
+    assert found is None
+    assert why.startswith(f"the probe process died of signal {signal.SIGABRT.value}")
+    # A result, then death at exit (NIXL 1.5.1 beside the system libibverbs): both told.
+    found, why = doctor_engines._run_probe(
+        "import os; print('AIODD-DOCTOR {\"ok\": 1}', flush=True); os.abort()"
+    )
+    assert found == {"ok": 1}
+    assert why == f"signal {signal.SIGABRT.value}"
+    found, why = doctor_engines._run_probe("raise SystemExit('no engine today')")
+    assert found is None
+    assert why == "the probe process failed (exit 1): no engine today"
+
+
+def test_doctor_fabric_lines_name_what_is_there() -> None:
+    fabric = {
+        "rdma": [
+            {
+                "name": "mlx5_0",
+                "netdevs": ["ens1f0np0"],
+                "ports": [{"port": "1", "state": "ACTIVE", "link_layer": "Ethernet", "rate": None}],
+            }
+        ],
+        "gpus": {
+            "devices": ["nvidia0"],
+            "models": ["NVIDIA H200"],
+            "driver": "NVRM 550",
+            "libcuda": "libcuda.so.1",
+        },
+        "npus": {"devices": ["davinci0"]},
+        "libibverbs": False,
+    }
+    assert doctor_engines._fabric_lines(fabric) == [
+        "RDMA NIC mlx5_0 (ens1f0np0): port 1 ACTIVE Ethernet",
+        "NVIDIA GPUs: nvidia0 (NVIDIA H200)",
+        "NVIDIA driver: NVRM 550; libcuda: libcuda.so.1",
+        "Ascend NPUs: davinci0",
+        "libibverbs.so.1: missing (apt-get install libibverbs1)",
+    ]
+    assert doctor_engines._ucx_usable(["cma", "cuda", "ib"], fabric) == [
+        "tcp",
+        "shm",
+        "self",
+        "cma",
+        "ib (rdma)",
+        "cuda",
+    ]
 
 
 @pytest.mark.parametrize(
