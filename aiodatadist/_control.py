@@ -1,14 +1,11 @@
-"""The control plane: the listen server, links' control connections, table sync, and
-routing the peer's requests.
+"""The control plane: the listen server, links' control connections, table sync, routing.
 
-One TCP control connection per link carries :mod:`aiodatadist._wire` frames; it
-starts with the handshake (:mod:`aiodatadist._handshake`: HELLO, CHALLENGE, AUTH,
-WELCOME, TABLE). After it both sides are symmetric: either may send PULL / PUSH
-requests, TABLE updates, UNLINK, PING. The read loop routes PULL / PUSH / CANCEL
-to the link's tcp serving half (:mod:`aiodatadist.transports.tcp_serve`) and each
-DONE to the requester waiting for it (:mod:`aiodatadist.transports.tcp`). The tcp
-data streams (:mod:`aiodatadist.transports.tcp_streams`) are opened by the client
-after the handshake and arrive at the server's listener (DATA_HELLO).
+One TCP control connection per link carries :mod:`aiodatadist._wire` frames; it starts
+with the handshake (:mod:`aiodatadist._handshake`). Then either side may send PULL /
+PUSH, TABLE, UNLINK, PING, LEASE. The read loop routes PULL / PUSH / CANCEL to the tcp
+serving half (:mod:`aiodatadist.transports.tcp_serve`), LEASE / UNLEASE to
+:mod:`aiodatadist._engine_lease`, each DONE / LEASED to its requester. The tcp data
+streams are opened by the client and arrive at the server's listener (DATA_HELLO).
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from . import _wire
+from . import _engine_lease, _handshake, _wire
 from ._caches import CacheTable
 from ._fdchannel import FdChannel, FdListener
 from ._handshake import Agreed, client_handshake, has_spoken, offered_paths, server_handshake
@@ -177,7 +174,7 @@ class Peer:
             return  # the peer has this version already
         self.table_version_sent = own.version
         with contextlib.suppress(LLMException):
-            await self.send(_wire.MsgType.TABLE, {"version": own.version, "table": own.describe()})
+            await self.send(_wire.MsgType.TABLE, _handshake.table_body(self.rt))
 
     async def refresh(self, deadline: float | None) -> None:
         """A PING round trip: every TABLE the peer sent before our PING is applied after it."""
@@ -199,7 +196,7 @@ class Peer:
             while True:
                 msg = await _wire.read_message(self.reader, timeout=None)
                 t = msg.type
-                if t == _wire.MsgType.DONE:
+                if t in (_wire.MsgType.DONE, _wire.MsgType.LEASED):
                     fut = self._pending.pop(int(msg.body["req"]), None)
                     if fut is not None and not fut.done():
                         fut.set_result(msg.body)
@@ -207,8 +204,10 @@ class Peer:
                     await self.serving.enqueue(msg)
                 elif t == _wire.MsgType.CANCEL:
                     self.serving.on_cancel(int(msg.body["req"]), int(msg.body["epoch"]))
+                elif t in _engine_lease.LEASE_TYPES:
+                    await _engine_lease.serve(self, msg)
                 elif t == _wire.MsgType.TABLE:
-                    self._apply_table(msg.body["table"])
+                    self._apply_table(msg.body)
                 elif t == _wire.MsgType.PING:
                     # A table update still queued goes first: the peer's refresh (a PING
                     # round trip) then sees every registration made before its PING arrived.
@@ -232,9 +231,10 @@ class Peer:
         finally:
             await self.close(reason)
 
-    def _apply_table(self, items: list[dict[str, Any]]) -> None:
-        fresh = CacheTable.from_description([_wire.check_cache_description(d) for d in items])
-        self.table.replace_with(fresh)
+    def _apply_table(self, body: dict[str, Any]) -> None:
+        self.info.engines = body.get("engines", self.info.engines)  # (before the table)
+        items = [_wire.check_cache_description(d) for d in body["table"]]
+        self.table.replace_with(CacheTable.from_description(items))
 
     def cancel_soon(self, req: int, epoch: int) -> None:
         """Sends CANCEL {req, epoch} in the background (never blocking the caller, which may
@@ -373,7 +373,7 @@ async def _adopt(rt: Runtime, peer: Peer, server: ControlServer | None) -> None:
             f"cluster {remote_id} is already linked",
             api="link_clusters",
         )
-    path = RemotePath(peer, rt.options.data_path)
+    path = RemotePath(peer, rt.options.data_path, rt.engines)
     link = Link(rt.cluster_id, remote_id, path)
 
     async def on_close(_peer: Peer) -> None:

@@ -37,7 +37,15 @@ from .transports.peer import PeerInfo
 if TYPE_CHECKING:
     from ._runtime import Runtime
 
-__all__ = ["Agreed", "client_handshake", "has_spoken", "offered_paths", "server_handshake"]
+__all__ = [
+    "Agreed",
+    "client_handshake",
+    "engines_info",
+    "has_spoken",
+    "offered_paths",
+    "server_handshake",
+    "table_body",
+]
 
 
 @dataclass
@@ -54,11 +62,27 @@ class Agreed:
 
 
 def offered_paths(rt: Runtime) -> list[DataPath]:
-    """The cross-process paths this instance offers (the forced one, or all)."""
+    """The cross-process paths this instance offers (the forced one, or all: ours and
+    the engines it runs)."""
     forced = rt.options.data_path
-    if forced in DataPath.remote():
+    if forced in DataPath.remote() or forced in DataPath.engines():
         return [forced]
-    return list(DataPath.remote())
+    return [*DataPath.remote(), *(a.kind for a in rt.engines)]
+
+
+def engines_info(rt: Runtime) -> dict[str, Any]:
+    """What a peer needs to reach this instance's engines now (WELCOME, TABLE)."""
+    return {a.kind.value: a.info() for a in rt.engines}
+
+
+def table_body(rt: Runtime) -> dict[str, Any]:
+    """A ``TABLE`` message's body: our cache table, and our engines' info with it (a
+    registration can change it: a peer must see both together)."""
+    own = rt.caches.table
+    body: dict[str, Any] = {"version": own.version, "table": own.describe()}
+    if rt.engines:
+        body["engines"] = engines_info(rt)
+    return body
 
 
 def _refused(body: dict[str, Any]) -> LLMException:
@@ -133,12 +157,11 @@ async def client_handshake(
     table = CacheTable.from_description(list(w["table"]))
     paths = [DataPath(p) for p in w["data_paths"]]  # (the schema allows only these)
     info = PeerInfo(int(w["cluster_id"]), str(w["host_id"]), int(w["pid"]), int(w["role"]), paths)
+    info.engines = dict(w.get("engines") or {})
     fd_socket = w.get("fd_socket")
-    own = rt.caches.table
-    version = own.version
-    await _wire.write_message(
-        writer, _wire.MsgType.TABLE, {"version": version, "table": own.describe()}
-    )
+    body = table_body(rt)
+    version = body["version"]
+    await _wire.write_message(writer, _wire.MsgType.TABLE, body)
     fd = fd_socket if isinstance(fd_socket, str) else None
     return Agreed(info, str(w["link_token"]), table, fd, version)
 
@@ -218,6 +241,8 @@ async def server_handshake(
         "mac": mac,
         "fd_socket": fd_socket,
     }
+    if rt.engines:
+        welcome["engines"] = engines_info(rt)
     await _wire.write_message(writer, _wire.MsgType.WELCOME, welcome)
     first = await _wire.read_message(reader, timeout=timeout, accept=(_wire.MsgType.TABLE,))
     if first.type != _wire.MsgType.TABLE:
@@ -227,6 +252,7 @@ async def server_handshake(
         [_wire.check_cache_description(d) for d in first.body["table"]]
     )
     info = PeerInfo(client_id, str(hello["host_id"]), int(hello["pid"]), int(hello["role"]), paths)
+    info.engines = dict(first.body.get("engines") or {})
     return Agreed(info, token, table, fd_socket, welcomed_version)
 
 

@@ -82,6 +82,7 @@ OPT_MOVER_THREADS = "aiodatadist.MoverThreads"
 OPT_FINALIZE_TIMEOUT = "aiodatadist.FinalizeTimeout"
 OPT_SERVE_THREADS = "aiodatadist.ServeThreads"
 OPT_SERVE_TIMEOUT = "aiodatadist.ServeTimeout"
+OPT_ENGINES = "aiodatadist.Engines"
 
 CHECKED_PREFIXES = ("llm.", "aiodatadist.")
 """Key prefixes whose keys must be known (a typo fails at init); other keys pass through."""
@@ -116,11 +117,21 @@ class DataPath(enum.StrEnum):
     """Same host, the peer's registered memory: ``process_vm_readv/writev``."""
     TCP = "tcp"
     """Any hosts: the peer serves the request over data streams."""
+    NIXL = "nixl"
+    """Any hosts, both sides run NIXL (``aiodatadist.Engines``): its UCX backend; moves
+    device memory too."""
+    MOONCAKE = "mooncake"
+    """Any hosts, both sides run the Mooncake Transfer Engine (``aiodatadist.Engines``)."""
 
     @classmethod
     def remote(cls) -> tuple[DataPath, ...]:
         """The cross-process paths, fastest first (the order ``auto`` tries them in)."""
         return (cls.SHM, cls.CMA, cls.TCP)
+
+    @classmethod
+    def engines(cls) -> tuple[DataPath, ...]:
+        """The paths of existing transfer engines (started at ``init`` when named)."""
+        return (cls.NIXL, cls.MOONCAKE)
 
 
 DATA_PATHS = tuple(p.value for p in DataPath)
@@ -238,6 +249,8 @@ class Options:
         finalize_timeout_ms: ``aiodatadist.FinalizeTimeout``.
         serve_threads: ``aiodatadist.ServeThreads``.
         serve_timeout_ms: ``aiodatadist.ServeTimeout``.
+        engines: the transfer engines to start at ``init``: ``aiodatadist.Engines``, plus
+            the engine ``aiodatadist.DataPath`` forces (in :meth:`DataPath.engines` order).
         link_total_time_s: ``llm.LinkTotalTime`` (0: not set).
         link_retry_count: ``llm.LinkRetryCount``.
         raw: A copy of every option given, known or not.
@@ -257,6 +270,7 @@ class Options:
     finalize_timeout_ms: int = DEFAULT_FINALIZE_TIMEOUT_MS
     serve_threads: int = DEFAULT_SERVE_THREADS
     serve_timeout_ms: int = DEFAULT_SERVE_TIMEOUT_MS
+    engines: tuple[DataPath, ...] = ()
     link_total_time_s: int = 0
     link_retry_count: int = 1
     raw: dict[str, str] = field(default_factory=dict, repr=False, hash=False)
@@ -282,6 +296,20 @@ def _opt_choice(key: str, text: str, choices: Sequence[str]) -> str:
 
 def _opt_device_ids(key: str, text: str) -> list[int]:
     return [_opt_int(key, part, 0, INT32_MAX) for part in text.split(";")] if text else []
+
+
+def parse_engines(name: str, value: str | Sequence[str]) -> tuple[DataPath, ...]:
+    """Engine names (a comma list or a sequence) as :class:`DataPath` members, in
+    :meth:`DataPath.engines` order, without duplicates."""
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    names = {p.strip() if isinstance(p, str) else p for p in parts} - {""}
+    known = [e.value for e in DataPath.engines()]
+    for n in names:
+        require(
+            isinstance(n, str) and n in known,
+            f"{name}: unknown engine {n!r} (known: {', '.join(known)})",
+        )
+    return tuple(e for e in DataPath.engines() if e.value in names)
 
 
 def _check_known_keys(opts: Mapping[str, str]) -> None:
@@ -402,6 +430,12 @@ def parse_options(
         SECRET_ENV, ""
     )
     listen_ip, listen_port = _listen_address(opts)
+    data_path = DataPath(
+        _opt_choice(OPT_DATA_PATH, opts.get(OPT_DATA_PATH, DEFAULT_DATA_PATH), DATA_PATHS)
+    )
+    engines = set(parse_engines(f"option {OPT_ENGINES}", opts.get(OPT_ENGINES, "")))
+    if data_path in DataPath.engines():
+        engines.add(data_path)  # a forced engine path implies running that engine
     return Options(
         sync_kv_timeout_ms=get_int(OPT_SYNC_KV_TIMEOUT, DEFAULT_SYNC_KV_TIMEOUT_MS, 1, INT32_MAX),
         listen_ip=listen_ip,
@@ -409,9 +443,8 @@ def parse_options(
         enable_cache_manager=enable_cache_manager,
         enable_remote_cache_accessible=remote_accessible,
         device_id=device_id,
-        data_path=DataPath(
-            _opt_choice(OPT_DATA_PATH, opts.get(OPT_DATA_PATH, DEFAULT_DATA_PATH), DATA_PATHS)
-        ),
+        data_path=data_path,
+        engines=tuple(e for e in DataPath.engines() if e in engines),
         executor_threads=get_int(OPT_EXECUTOR_THREADS, DEFAULT_EXECUTOR_THREADS, 1, THREADS_MAX),
         shared_secret=secret_text.encode() if secret_text else None,
         tcp_streams=get_int(OPT_TCP_STREAMS, DEFAULT_TCP_STREAMS, 1, TCP_STREAMS_MAX),

@@ -129,6 +129,9 @@ class CacheRegistry:
         # Leases of our caches for one-sided peers (aiodatadist._leases).
         self.leases = LeaseBook(f"/aiodd-{os.getpid()}-{cluster_id}")
         self.leases.set_segments(self.live_segments)
+        # The transfer engines the instance runs (Runtime.engines, transports/engine.py):
+        # every cache is registered with each, and deregistered once its lease is revoked.
+        self.engines: list[Any] = []
 
     def live_segments(self) -> list[tuple[str, int, int]]:
         """``(name, size, fd)`` of every live shared-memory segment (pushed to new links)."""
@@ -262,6 +265,7 @@ class CacheRegistry:
         cache._owner = self
         cache._buffers = buffers if buffers is not None else segment
         cache._views_factory = lambda: self.views(entry)
+        self._engines_register(entry)  # (may refuse: nothing has changed yet)
         # The lease is granted before the table lists the cache: no peer can see the
         # cache without a current lease for it.
         self.leases.grant(entry)
@@ -278,6 +282,24 @@ class CacheRegistry:
             self.leases.push_segment(segment.name, segment.size, segment.fd)
         self.on_change()
         return cache
+
+    def _engines_register(self, entry: CacheEntry) -> None:
+        done = []
+        try:
+            for agent in self.engines:
+                agent.register(entry)
+                done.append(agent)
+        except BaseException:
+            for agent in done:
+                agent.deregister(entry)
+            raise
+
+    def _engines_deregister(self, entry: CacheEntry) -> None:
+        for agent in self.engines:
+            try:
+                agent.deregister(entry)
+            except Exception:
+                log.warning("engine %s: deregistering cache %d failed", agent.kind, entry.cache_id)
 
     def views(self, entry: CacheEntry) -> list[Any]:
         """``KvCache.tensors()``: one numpy view per tensor of a live cache.
@@ -351,6 +373,7 @@ class CacheRegistry:
         except BaseException:
             self.leases.restore(entry)
             raise
+        self._engines_deregister(entry)  # the lease is revoked: no peer copy runs under it
         self.leases.release(entry)
         del self.entries[cache_id]
         self.table.remove(cache_id)
@@ -389,8 +412,9 @@ class CacheRegistry:
                 # so nothing is left behind in /dev/shm when this process exits.
                 _LEAKED.append(entry)
                 continue
-            self.leases.release(entry)
             entry.freed = True
+            self._engines_deregister(entry)
+            self.leases.release(entry)
             if entry.cache is not None:
                 entry.cache._views_factory = None
             entry.segment = None

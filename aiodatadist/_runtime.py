@@ -16,6 +16,7 @@ from .config import Options
 from .errors import current_api
 from .links import LinkRegistry
 from .transports.base import Call
+from .transports.engine import EngineAgent, start_engines
 from .types import LLMRole
 
 __all__ = ["Runtime"]
@@ -33,6 +34,7 @@ class Runtime:
         serve_executor: runs peers' tcp requests (apart, so peers never starve ours).
         links: the link registry.
         caches: the local cache registry.
+        engines: the transfer engines this instance runs (:meth:`start_engines`).
     """
 
     def __init__(
@@ -47,7 +49,33 @@ class Runtime:
         self._callbacks: TransferExecutor | None = None
         self.links = LinkRegistry(cluster_id)
         self.caches = CacheRegistry(cluster_id, on_change=self.table_changed)
+        self.engines: list[EngineAgent] = []
+        self.caches.engines = self.engines  # (the same list: registrations reach them)
         self.ready = True
+
+    async def start_engines(self) -> None:
+        """Starts the engines of ``aiodatadist.Engines`` on the executor (blocking setup).
+
+        Raises:
+            LLMException: LLM_FEATURE_NOT_ENABLED, an engine cannot run here (says why).
+        """
+        if self.options.engines:
+            kinds, host = self.options.engines, self.options.listen_ip or "127.0.0.1"
+            self.engines[:] = await self.executor.run(
+                lambda _c: start_engines(kinds, self.cluster_id, host), deadline=None
+            )
+
+    def free_all(self, timeout: float) -> None:
+        """Finalize: frees every cache (see ``CacheRegistry.free_all``), then, every link
+        and registration gone, stops the engines."""
+        self.caches.free_all(timeout)
+        self.close_engines()
+
+    def close_engines(self) -> None:
+        """Finalize, once every link is gone and every cache deregistered: stops them."""
+        engines, self.engines[:] = list(self.engines), []
+        for agent in engines:
+            agent.close()
 
     def require_ready(self) -> None:
         """Raises upstream's ``RuntimeError`` once the instance was finalized."""
@@ -86,12 +114,13 @@ class Runtime:
         )
 
     def shutdown_executors(self, timeout: float = 0) -> None:
-        """Stops every executor (a failed init, or what finalize could not wait for)."""
+        """Stops every executor and engine (a failed init)."""
         self.ready = False
         for ex in (self.executor, self.serve_executor, self._callbacks):
             if ex is not None:
                 ex.shutdown(timeout)
         self._callbacks = None
+        self.close_engines()
 
     async def aclose(self, deadline: float) -> bool:
         """Finalize: waits (until ``deadline``) for the executors' jobs; True when all returned."""

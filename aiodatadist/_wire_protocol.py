@@ -17,6 +17,7 @@ __all__ = [
     "DATA_PATHS",
     "MAX_BINARY",
     "MAX_DEADLINE_MS",
+    "MAX_ENGINE_METADATA",
     "MAX_HOST_ID",
     "MAX_JSON",
     "MAX_SEGMENTS",
@@ -56,10 +57,12 @@ MAX_DEADLINE_MS = 2**31 - 1
 MAX_TEXT = 16 * 1024
 """Longest free-text field (``REFUSE.reason``, ``DONE.info``, ``ERROR.info``), in characters."""
 MAX_HOST_ID = 256
+MAX_ENGINE_METADATA = 8 * 1024 * 1024
+"""Longest engine metadata in ``WELCOME``/``TABLE`` ``engines`` (hex characters)."""
 MAX_TENSORS = 65536
 MAX_SHAPE_DIMS = 64
 
-DATA_PATHS = frozenset(p.value for p in DataPath.remote())
+DATA_PATHS = frozenset(p.value for p in (*DataPath.remote(), *DataPath.engines()))
 """Data paths a server may offer in ``WELCOME.data_paths``."""
 
 AUTH_FAILED_STATUS = int(LLMStatusCode.LLM_LINK_FAILED)
@@ -86,6 +89,9 @@ class MsgType(enum.IntEnum):
     DATA_HELLO = 13
     ERROR = 14
     CANCEL = 15
+    LEASE = 16
+    LEASED = 17
+    UNLEASE = 18
 
 
 # --------------------------------------------------------------------------- errors

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from ._wire_protocol import (
     DATA_PATHS,
     MAX_DEADLINE_MS,
+    MAX_ENGINE_METADATA,
     MAX_HOST_ID,
     MAX_SHAPE_DIMS,
     MAX_STREAMS,
@@ -199,6 +200,23 @@ def _fd_socket(value: Any, where: str) -> None:
         raise WireError(f"{where}: {value!r:.80} is not an fd socket name")
 
 
+_SEGMENT = re.compile(r"[A-Za-z0-9.:\[\]_-]{1,300}:[0-9]{1,5}")
+
+
+def _engines(value: Any, where: str) -> None:
+    # Only the engines this side runs, each with its own fixed keys.
+    for name, info in value.items():
+        schema = _ENGINE_SCHEMAS.get(name)
+        if schema is None:
+            raise WireError(f"{where}: unknown engine {name!r:.40}")
+        _check_object(info, schema, f"{where}.{name}")
+
+
+def _segment(value: Any, where: str) -> None:
+    if _SEGMENT.fullmatch(value) is None:
+        raise WireError(f"{where}: {value!r:.80} is not a 'host:port' segment")
+
+
 _FD_SOCKET = re.compile(r"aiodd-[0-9]{1,10}-[0-9a-f]{16}")
 _INT = (int,)
 _STR = (str,)
@@ -216,6 +234,14 @@ _NONCE = Field(_STR, check=_hex(32, 128))
 _STATUS = Field(_INT, check=_u32)
 _INFO = Field(_STR, check=_text(MAX_TEXT))
 _TIME = Field((int, float), check=_finite)
+
+_ENGINE_NAME = Field(_STR, check=_text(MAX_HOST_ID, 1))
+_ENGINE_SCHEMAS: Mapping[str, Mapping[str, Field]] = {
+    "nixl": {"name": _ENGINE_NAME, "md": Field(_STR, check=_hex(2, MAX_ENGINE_METADATA))},
+    "mooncake": {"segment": Field(_STR, check=_segment)},
+}
+# The engines a side runs and what a peer needs to reach them (absent: none).
+_ENGINES = Field((dict,), required=False, check=_engines)
 
 SCHEMAS: Mapping[MsgType, Mapping[str, Field]] = {
     MsgType.HELLO: {
@@ -248,9 +274,14 @@ SCHEMAS: Mapping[MsgType, Mapping[str, Field]] = {
         # The server's abstract Unix socket for passing fds (segments, lease pages) to a
         # same-host client; null or absent: none (one-sided paths are not used).
         "fd_socket": Field((str, type(None)), required=False, check=_fd_socket),
+        "engines": _ENGINES,
     },
     MsgType.REFUSE: {"status": _STATUS, "reason": _INFO},
-    MsgType.TABLE: {"version": Field(_INT, check=_u64), "table": Field(_LIST, check=_table)},
+    MsgType.TABLE: {
+        "version": Field(_INT, check=_u64),
+        "table": Field(_LIST, check=_table),
+        "engines": _ENGINES,
+    },
     MsgType.PULL: {
         "req": Field(_INT, check=_u64),
         "cache_id": Field(_INT, check=_u64),
@@ -287,6 +318,19 @@ SCHEMAS: Mapping[MsgType, Mapping[str, Field]] = {
     },
     MsgType.ERROR: {"status": _STATUS, "info": _INFO},
     MsgType.CANCEL: {"req": Field(_INT, check=_u64), "epoch": _EPOCH},
+    # Leases over the control plane for engine transfers between hosts (_engine_lease).
+    MsgType.LEASE: {
+        "req": Field(_INT, check=_u64),
+        "cache_id": Field(_INT, check=_u64),
+        "gen": _GEN,
+    },
+    MsgType.LEASED: {
+        "req": Field(_INT, check=_u64),
+        "status": _STATUS,
+        "info": _INFO,
+        "stale": Field(_BOOL, required=False),
+    },
+    MsgType.UNLEASE: {"req": Field(_INT, check=_u64)},
 }
 """Per message type: field name -> :class:`Field`.  Fields not listed are refused."""
 

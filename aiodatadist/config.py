@@ -28,6 +28,8 @@ re-exported here, their public home.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._config_attrs import (
     Option,
     check_backend,
@@ -63,6 +65,7 @@ from ._options import (
     OPT_ENABLE_CACHE_MANAGER,
     OPT_ENABLE_REMOTE_CACHE_ACCESSIBLE,
     OPT_ENABLE_SWITCH_ROLE,
+    OPT_ENGINES,
     OPT_EXECUTOR_THREADS,
     OPT_FINALIZE_TIMEOUT,
     OPT_FLOW_GRAPH_MEM_MAX_SIZE,
@@ -98,10 +101,21 @@ from ._options import (
     DataPath,
     Options,
     check_rdma_traffic_class,
+    parse_engines,
     parse_listen_ip_info,
     parse_options,
 )
 from ._validate import INT32_MAX, UINT32_MAX, check_bool, check_str, check_type
+
+
+def _check_engines(name: str, value: Any) -> str | None:
+    # A comma string or a sequence of names; stored as the comma string it emits.
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        check_type(name, value, (list, tuple))
+    return ",".join(e.value for e in parse_engines(name, value)) or None
+
 
 __all__ = [
     "DATA_PATHS",
@@ -121,6 +135,7 @@ __all__ = [
     "OPT_BUF_POOL_CFG",
     "OPT_CLUSTER_INFO",
     "OPT_DATA_PATH",
+    "OPT_ENGINES",
     "OPT_DEPLOY_RES_PATH",
     "OPT_DEVICE_ID",
     "OPT_ENABLE_CACHE_MANAGER",
@@ -410,10 +425,22 @@ class LLMConfig:
         OPT_DATA_PATH,
         check_data_path,
         default=DEFAULT_DATA_PATH,
-        doc="""How bytes move: one of ``auto``, ``inproc``, ``shm``, ``cma``, ``tcp``.
+        doc="""How bytes move: one of ``auto``, ``inproc``, ``shm``, ``cma``, ``tcp``,
+        ``nixl``, ``mooncake``.
 
-        ``auto`` (default) picks the fastest path that works for each peer.
+        ``auto`` (default) picks the fastest path that works for each peer (an engine
+        for device memory). ``nixl``/``mooncake`` force that engine (and start it).
         Emits ``aiodatadist.DataPath``.
+        """,
+    )
+    engines: Option[str | None] = Option(
+        OPT_ENGINES,
+        _check_engines,
+        default=None,
+        doc="""Transfer engines to start at ``init``: ``"nixl"``, ``"mooncake"`` or both, as
+        a comma string or a list of names (stored as the comma string).
+
+        A link uses an engine only when both sides run it. Emits ``aiodatadist.Engines``.
         """,
     )
     executor_threads: Option[int] = Option(

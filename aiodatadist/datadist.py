@@ -179,15 +179,15 @@ class LLMDataDist:
                 rt = Runtime(self._cluster_id, self._role, opts, asyncio.get_running_loop())
                 note_home(rt.loop)
                 listening = Listening(rt)
-                if opts.listen_ip is not None:
-                    try:
+                try:
+                    await rt.start_engines()
+                    if opts.listen_ip is not None:
                         await listening.start(
                             opts.listen_ip, opts.listen_port or 0, configured=True
                         )
-                    except BaseException:
-                        # A failed init leaves the instance as it was: not initialized.
-                        rt.shutdown_executors(0)
-                        raise
+                except BaseException:  # a failed init leaves the instance not initialized
+                    rt.shutdown_executors(0)  # (and stops the engines started)
+                    raise
             self._options = opts
             self._init_options = dict(wanted or {})
             self._rt = rt
@@ -202,8 +202,8 @@ class LLMDataDist:
 
     @bridged
     async def finalize(self) -> None:
-        """Unlinks everything, waits for transfers in flight, stops the executor and frees
-        allocated caches. Idempotent.
+        """Unlinks everything, waits for transfers in flight, stops the executor, frees
+        allocated caches and stops the engines. Idempotent.
 
         Timeout: ``aiodatadist.FinalizeTimeout`` bounds the whole call, one deadline for
         every step: cancelled ``transfer_cache_async`` pipelines (one blocked in a plain
@@ -236,7 +236,7 @@ class LLMDataDist:
             if not await rt.aclose(deadline):
                 log.warning("finalize: transfers still running after %.1f s", bound)
             # Peers' one-sided copies are waited for (lease revocation) within the same bound.
-            rt.caches.free_all(max(0.0, deadline - loop.time()))
+            rt.free_all(max(0.0, deadline - loop.time()))
 
     async def __aenter__(self) -> LLMDataDist:
         await self.init()

@@ -223,7 +223,8 @@ def test_listen_ip_info_ipv6_and_port_zero() -> None:
             "data_path",
             "rdma",
             LLMParamError,
-            r"data_path must be one of \['auto', 'inproc', 'shm', 'cma', 'tcp'\], got 'rdma'",
+            r"data_path must be one of \['auto', 'inproc', 'shm', 'cma', 'tcp', 'nixl', "
+            r"'mooncake'\], got 'rdma'",
         ),
         ("executor_threads", 0, LLMParamError, r"executor_threads must be in \[1, 64\], got 0"),
         ("executor_threads", 65, LLMParamError, "executor_threads .*got 65"),
@@ -481,7 +482,7 @@ def test_all_data_paths_accepted() -> None:
             "aiodatadist.DataPath",
             "nvlink",
             r"option aiodatadist.DataPath must be one of "
-            r"\['auto', 'inproc', 'shm', 'cma', 'tcp'\], got 'nvlink'",
+            r"\['auto', 'inproc', 'shm', 'cma', 'tcp', 'nixl', 'mooncake'\], got 'nvlink'",
         ),
         (
             "aiodatadist.ExecutorThreads",

@@ -66,6 +66,7 @@ ALL_ATTRIBUTES = {
     "enable_switch_role": True,
     "mem_utilization": 0.5,
     "data_path": "tcp",
+    "engines": ["mooncake", "nixl"],
     "executor_threads": 3,
     "shared_secret": "s3cret",
     "tcp_streams": 4,
@@ -132,6 +133,7 @@ def test_llmconfig_with_every_attribute_set_parses() -> None:
     opts = parse_options(raw, environ={})
     assert opts.sync_kv_timeout_ms == 2500 and opts.serve_timeout_ms == 1000
     assert opts.data_path == "tcp" and opts.shared_secret == b"s3cret"
+    assert opts.engines == ("nixl", "mooncake")
     assert opts.raw["ge.graphRunMode"] == "1"
 
 

@@ -11,6 +11,7 @@ are thin wrappers over it. One concern per module:
   :func:`cluster_info`.
 * :mod:`.peer`: the one peer process (:class:`PeerProcess`; the child is
   ``python -m aiodatadist.testing``), which a suite extends with :class:`PeerCommands`.
+* :mod:`.engines`: :func:`engine_unavailable` (why NIXL / Mooncake cannot run here).
 * :mod:`.faults`: :class:`FaultInjector`, a proxy that stalls, drops and kills.
 * :mod:`.pairs`: :func:`inproc_pair` and :func:`remote_pair`::
 
@@ -35,6 +36,7 @@ from .caches import (
     host_buffer,
     make_blocks_cache,
 )
+from .engines import engine_unavailable
 from .faults import FaultInjector
 from .pairs import Pair, RemotePair, inproc_pair, remote_pair
 from .patterns import (
@@ -65,6 +67,7 @@ __all__ = [
     "as_matrix",
     "block_segments",
     "cluster_info",
+    "engine_unavailable",
     "fill_pattern",
     "host_buffer",
     "inproc_pair",

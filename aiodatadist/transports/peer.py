@@ -23,13 +23,16 @@ __all__ = ["ControlLink", "PeerInfo"]
 
 @dataclass
 class PeerInfo:
-    """Who the peer said it is in the handshake (``data_paths``: what it offers)."""
+    """Who the peer said it is in the handshake (``data_paths``: what it offers;
+    ``engines``: the transfer engines it runs and how to reach them, by name, replaced
+    by every table update that carries them)."""
 
     cluster_id: int
     host_id: str
     pid: int
     role: int
     data_paths: list[DataPath] = field(default_factory=list)
+    engines: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class ControlLink(Protocol):

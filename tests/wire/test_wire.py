@@ -104,7 +104,17 @@ def samples() -> dict[MsgType, tuple[dict[str, Any], bytes]]:
             b"",
         ),
         MsgType.REFUSE: ({"status": w.AUTH_FAILED_STATUS, "reason": w.AUTH_FAILED_REASON}, b""),
-        MsgType.TABLE: ({"version": 3, "table": [shm_cache()]}, b""),
+        MsgType.TABLE: (
+            {
+                "version": 3,
+                "table": [shm_cache()],
+                "engines": {
+                    "nixl": {"name": "aiodd-1-2-0a0b0c0d", "md": "00ff"},
+                    "mooncake": {"segment": "10.0.0.1:15000"},
+                },
+            },
+            b"",
+        ),
         MsgType.PULL: (
             {
                 "req": 9,
@@ -134,6 +144,9 @@ def samples() -> dict[MsgType, tuple[dict[str, Any], bytes]]:
         MsgType.DATA_HELLO: ({"link_token": TOKEN, "stream": 15, "epoch": 1}, b""),
         MsgType.ERROR: ({"status": 0xFFFFFFFF, "info": "naïve ünïcödé ✓"}, b""),
         MsgType.CANCEL: ({"req": 9, "epoch": 3}, b""),
+        MsgType.LEASE: ({"req": 11, "cache_id": 7, "gen": 4}, b""),
+        MsgType.LEASED: ({"req": 11, "status": 0, "info": "", "stale": False}, b""),
+        MsgType.UNLEASE: ({"req": 11}, b""),
     }
 
 
@@ -172,7 +185,7 @@ def feed(data: bytes, *, eof: bool = True) -> asyncio.StreamReader:
 def test_samples_cover_every_type() -> None:
     assert set(samples()) == set(MsgType)
     assert set(w.SCHEMAS) == set(MsgType)
-    assert [int(t) for t in MsgType] == list(range(1, 16))
+    assert [int(t) for t in MsgType] == list(range(1, 19))
 
 
 @pytest.mark.parametrize("msg_type", list(MsgType), ids=lambda t: t.name)
@@ -322,6 +335,27 @@ REJECTIONS: list[tuple[str, MsgType, Mutation, str]] = [
     ("epoch-bool", MsgType.PUSH, _set("epoch", True), "expected int, got bool"),
     ("cancel-req-negative", MsgType.CANCEL, _set("req", -1), "out of range"),
     ("cancel-epoch-str", MsgType.CANCEL, _set("epoch", "1"), "expected int"),
+    ("table-engine-unknown", MsgType.TABLE, _set("engines", {"ucx": {}}), "unknown engine"),
+    (
+        "table-nixl-md-not-hex",
+        MsgType.TABLE,
+        _set("engines", {"nixl": {"name": "a", "md": "ZZ"}}),
+        "not lowercase hex",
+    ),
+    (
+        "table-nixl-extra-key",
+        MsgType.TABLE,
+        _set("engines", {"nixl": {"name": "a", "md": "00", "x": 1}}),
+        "unknown field",
+    ),
+    (
+        "welcome-mooncake-segment",
+        MsgType.TABLE,
+        _set("engines", {"mooncake": {"segment": "no port"}}),
+        "not a 'host:port' segment",
+    ),
+    ("lease-gen-str", MsgType.LEASE, _set("gen", "1"), "expected int"),
+    ("leased-no-info", MsgType.LEASED, lambda b: b.pop("info"), "missing field"),
     ("status-u32", MsgType.DONE, _set("status", 2**32), "out of range"),
     ("role-4", MsgType.HELLO, _set("role", 4), "not one of"),
     ("role-0", MsgType.WELCOME, _set("role", 0), "not one of"),
@@ -538,7 +572,7 @@ def test_non_ascii_strings_round_trip() -> None:
             f"this side speaks version {V}",
         ),
         (w.HEADER.pack(b"ADDW", V, 0, 0, 7, 0), WireError, "unknown message type 0"),
-        (w.HEADER.pack(b"ADDW", V, 16, 0, 7, 0), WireError, "unknown message type 16"),
+        (w.HEADER.pack(b"ADDW", V, 19, 0, 7, 0), WireError, "unknown message type 19"),
         (w.HEADER.pack(b"ADDW", V, 255, 0, 7, 0), WireError, "unknown message type 255"),
         (w.HEADER.pack(b"ADDW", V, 11, 1, 7, 0), WireError, "unknown flag bits 0x0001"),
         (w.HEADER.pack(b"ADDW", V, 11, 0x8000, 7, 0), WireError, "unknown flag bits 0x8000"),

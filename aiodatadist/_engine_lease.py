@@ -1,0 +1,132 @@
+"""Leases over the control plane, for engine transfers between hosts.
+
+A one-sided engine transfer to another host has no lease page (no fd channel):
+the requester asks the owner first, one round trip per transfer::
+
+    LEASE {req, cache_id, gen}  ->
+                                <-  LEASED {req, status, info, stale}
+    (the engine moves the bytes)
+    UNLEASE {req}               ->
+
+The owner takes ``entry.hold()`` for a granted lease (so unregister, free and
+re-registration see a transfer in flight exactly as with tcp serving: they
+refuse with ``LLM_LINK_BUSY``) and releases it on ``UNLEASE`` or when the link
+is lost. A freed cache or a stale generation answers ``LLM_KV_CACHE_NOT_EXIST``
+marked ``stale``: the requester refreshes its table and retries once.
+Messages of one link arrive in order, so an ``UNLEASE`` sent after a ``LEASE``
+whose answer the requester gave up on still releases it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import weakref
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from . import _wire
+from ._leases import LeaseStale
+from .errors import LLMException, LLMStatusCode, failure, to_status_code
+
+if TYPE_CHECKING:
+    from ._caches import CacheEntry
+    from .transports.peer import ControlLink
+
+__all__ = ["LEASE_TYPES", "remote_lease", "serve"]
+
+LEASE_TYPES = (_wire.MsgType.LEASE, _wire.MsgType.UNLEASE)
+"""The requests the owner's read loop hands to :func:`serve`."""
+
+# Owner side: per link, the leases granted and not yet released (req -> entry).
+_held: weakref.WeakKeyDictionary[Any, dict[int, CacheEntry]] = weakref.WeakKeyDictionary()
+_tasks: set[asyncio.Task[None]] = set()
+
+
+def _background(coro: Any) -> None:
+    task = asyncio.get_running_loop().create_task(coro)
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
+
+
+async def _unlease(peer: ControlLink, req: int) -> None:
+    with contextlib.suppress(LLMException):
+        await peer.send(_wire.MsgType.UNLEASE, {"req": req})
+
+
+@contextlib.asynccontextmanager
+async def remote_lease(
+    peer: ControlLink, remote: CacheEntry, deadline: float | None
+) -> AsyncIterator[None]:
+    """Holds the owner's lease on ``remote`` for the body (one round trip).
+
+    Raises:
+        LeaseStale: the owner freed the cache or re-bound it since our table.
+        LLMException: LLM_TIMEOUT (no answer by ``deadline``), LLM_LINK_FAILED.
+    """
+    body: dict[str, Any] = {"cache_id": remote.cache_id}
+    if remote.lease is not None:
+        body["gen"] = remote.lease[1]
+    req, fut = await peer.request(_wire.MsgType.LEASE, body, b"")
+    try:
+        async with asyncio.timeout_at(deadline):
+            reply = await fut
+    except BaseException as e:
+        peer.forget_request(req)
+        _background(_unlease(peer, req))  # after the LEASE on the wire: releases it
+        if isinstance(e, TimeoutError):
+            raise failure(
+                LLMStatusCode.LLM_TIMEOUT,
+                f"deadline passed waiting for the lease of remote cache {remote.cache_id}",
+            ) from None
+        raise
+    code = to_status_code(int(reply["status"]))
+    if code != LLMStatusCode.LLM_SUCCESS:
+        stale = code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST and reply.get("stale") is True
+        raise failure(code, f"peer: {reply['info']}", kind=LeaseStale if stale else None)
+    try:
+        yield
+    finally:
+        _background(_unlease(peer, req))
+
+
+async def serve(peer: Any, msg: _wire.Message) -> None:
+    """The owner's side: answers a ``LEASE``, releases on ``UNLEASE`` (``peer``:
+    ``_control.Peer``, on its read loop)."""
+    held = _held.get(peer)
+    if held is None:
+        held = _held[peer] = {}
+        _background(_release_on_close(peer, held))
+    req = int(msg.body["req"])
+    if msg.type == _wire.MsgType.UNLEASE:
+        entry = held.pop(req, None)
+        if entry is not None:
+            entry.release()
+        return
+    cache_id = int(msg.body["cache_id"])
+    gen = msg.body.get("gen")
+    entry = peer.rt.caches.entries.get(cache_id)
+    reply: dict[str, Any] = {"req": req, "status": 0, "info": ""}
+    try:
+        if entry is None or (gen is not None and entry.lease is not None and entry.lease[1] != gen):
+            raise failure(
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                f"cache {cache_id} is not registered (generation {gen})",
+                api="lease",
+            )
+        entry.hold(api="lease")
+    except LLMException as e:
+        reply.update(status=int(e.status_code), info=str(e)[:1000], stale=True)
+    else:
+        held[req] = entry
+    try:
+        await peer.send(_wire.MsgType.LEASED, reply)
+    except LLMException:
+        pass  # the link closed: _release_on_close lets go
+
+
+async def _release_on_close(peer: Any, held: dict[int, CacheEntry]) -> None:
+    await peer.closed.wait()
+    for entry in held.values():
+        entry.release()
+    held.clear()

@@ -1,0 +1,336 @@
+"""Existing transfer engines (NIXL, Mooncake) as the data path of a link.
+
+An instance starts the engines ``aiodatadist.Engines`` names (and the one
+``aiodatadist.DataPath`` forces) at ``init``: one :class:`EngineAgent` each,
+created on the instance's executor. Every cache registered or allocated is
+registered with every running engine; the agent's :meth:`EngineAgent.info`
+(what a peer needs to reach it) travels in the handshake and in every table
+update. A link offers an engine when both sides run it; its
+:class:`EnginePath` connects lazily (on the executor) at the first transfer and
+updates the connection when the peer's info changed.
+
+Integrity: an engine transfer runs under the remote cache's lease. Same host
+(the link's fd channel is up): the lease page, exactly as ``cma``. Other hosts:
+a lease over the control plane (:mod:`aiodatadist._engine_lease`, one round trip
+per transfer): the owner holds the cache until we say the job returned.
+
+Aborts (deadline, cancel): :meth:`EngineConn.read`/``write`` return (raising) only
+once the engine can no longer touch local memory for the transfer. NIXL: a transfer
+is cut into requests of 8 MiB, the abort is checked between them (nothing in flight),
+and a request in flight is released (cancelled) or, when NIXL cannot cancel it,
+waited for; see :mod:`aiodatadist.transports.nixl`. Mooncake: see its module.
+
+Engine modules (``transports/nixl.py``, ``transports/mooncake.py``) are imported
+only when that engine is probed or started: ``import aiodatadist`` imports no
+engine package.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import importlib
+import os
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .. import _engine_lease, _native
+from .._executor import ONE_SIDED_INLINE_MAX_BYTES
+from .._leases import leased
+from ..config import DataPath
+from ..errors import LLMException, LLMStatusCode, failure
+from .base import Call, Path
+
+if TYPE_CHECKING:
+    from .._caches import CacheEntry, CacheTable
+    from .._fdchannel import FdChannel
+    from .peer import ControlLink
+
+__all__ = [
+    "EngineAgent",
+    "EngineConn",
+    "EnginePath",
+    "EngineUnavailable",
+    "engine_class",
+    "engine_problem",
+    "on_device",
+    "poll_until_done",
+    "start_engines",
+]
+
+# Where each engine's classes live (imported on first use only).
+_MODULES: dict[DataPath, tuple[str, str]] = {
+    DataPath.NIXL: ("aiodatadist.transports.nixl", "NixlAgent"),
+    DataPath.MOONCAKE: ("aiodatadist.transports.mooncake", "MooncakeAgent"),
+}
+
+
+def on_device(entry: CacheEntry) -> int | None:
+    """The device id of a cache in device memory, None for host memory.
+
+    ``CacheEntry.placement`` is upstream's label (``DEVICE`` by default, for host
+    memory too): device memory is marked by a ``device_id`` on the entry instead.
+    """
+    dev = getattr(entry, "device_id", None)
+    return None if dev is None else int(dev)
+
+
+class EngineUnavailable(Exception):
+    """An engine cannot run here; the message says why (and how to fix it)."""
+
+
+class EngineConn(abc.ABC):
+    """This agent's connection to one peer's agent (one link). Every method blocks: it
+    runs on the instance's executor, never on the event loop."""
+
+    @abc.abstractmethod
+    def update(self, peer_info: dict[str, Any]) -> None:
+        """The peer's info changed (it registered or freed memory)."""
+
+    @abc.abstractmethod
+    def read(
+        self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, control: _native.Control
+    ) -> None:
+        """Moves every segment of ``plan`` from the peer's ``remote`` into ``local``.
+
+        Returns only once every byte landed. Raises ``NativeError(ABORTED)`` once
+        ``control`` was aborted and the engine can no longer touch local memory for this
+        transfer; ``LLMException`` for an engine failure.
+        """
+
+    @abc.abstractmethod
+    def write(
+        self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, control: _native.Control
+    ) -> None:
+        """Moves every segment of ``plan`` from ``local`` into the peer's ``remote``."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Forgets the peer (its transfers have returned)."""
+
+
+class EngineAgent(abc.ABC):
+    """One running engine of an instance.
+
+    Attributes:
+        kind: the data path it provides.
+        moves_device_memory: it can move memory of ``Placement.DEVICE`` caches.
+    """
+
+    kind: DataPath
+    moves_device_memory: bool = False
+    copies_inline_on_host: bool = False
+    """A same-host transfer of host memory completes inside the engine's post call (NIXL:
+    UCX over CMA) when the kernel allows cross-process reads: tiny ones may run inline."""
+
+    @classmethod
+    @abc.abstractmethod
+    def probe(cls) -> str | None:
+        """None when the engine can run here, else why not (no side effects)."""
+
+    @abc.abstractmethod
+    def __init__(self, name: str, host: str) -> None:
+        """Blocking setup. Raises :class:`EngineUnavailable`."""
+
+    @abc.abstractmethod
+    def info(self) -> dict[str, Any]:
+        """What a peer needs to reach this agent now (JSON-able)."""
+
+    @abc.abstractmethod
+    def register(self, entry: CacheEntry) -> None:
+        """Registers every tensor of ``entry`` (``addrs[i]`` .. + ``tensor_bytes``)."""
+
+    @abc.abstractmethod
+    def deregister(self, entry: CacheEntry) -> None:
+        """Undoes :meth:`register` (nothing may touch the memory through it afterwards)."""
+
+    @abc.abstractmethod
+    def connect(self, peer_info: dict[str, Any]) -> EngineConn:
+        """A connection to the peer agent ``peer_info`` describes (blocking)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stops the agent (every registration and connection is gone by then)."""
+
+
+def engine_class(kind: DataPath) -> type[EngineAgent]:
+    """The agent class of ``kind`` (imports its module).
+
+    Raises:
+        EngineUnavailable: its module cannot be imported (the engine package is missing).
+    """
+    module, name = _MODULES[DataPath(kind)]
+    try:
+        cls: type[EngineAgent] = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise EngineUnavailable(f"{kind}: {e}") from e
+    return cls
+
+
+def engine_problem(kind: DataPath | str) -> str | None:
+    """Why the engine ``kind`` cannot run here, or None when it can (no side effects)."""
+    try:
+        return engine_class(DataPath(kind)).probe()
+    except EngineUnavailable as e:
+        return str(e)
+
+
+def start_engines(kinds: Sequence[DataPath], cluster_id: int, host: str) -> list[EngineAgent]:
+    """Starts one agent per engine (blocking: call it on the executor).
+
+    Raises:
+        LLMException: LLM_FEATURE_NOT_ENABLED saying why an engine cannot run (then
+            none of them runs).
+    """
+    agents: list[EngineAgent] = []
+    try:
+        for kind in kinds:
+            why = engine_problem(kind)
+            if why is not None:
+                raise EngineUnavailable(why)
+            name = f"aiodd-{os.getpid()}-{cluster_id}-{secrets.token_hex(4)}"
+            agents.append(engine_class(kind)(name, host))
+    except EngineUnavailable as e:
+        for a in agents:
+            a.close()
+        raise failure(
+            LLMStatusCode.LLM_FEATURE_NOT_ENABLED, f"engine {kind} cannot run: {e}"
+        ) from None
+    except BaseException:
+        for a in agents:
+            a.close()
+        raise
+    return agents
+
+
+def poll_until_done(
+    check: Callable[[], bool | None], control: _native.Control, abort: Callable[[], bool]
+) -> None:
+    """Polls an engine transfer from an executor thread with backoff.
+
+    ``check()``: True once done, False while in progress (raises on failure).
+    A few spins first (a tiny transfer lands in microseconds), then sleeps doubling
+    from 20 us to 1 ms: never a loop that burns a core. On ``control.aborted``,
+    ``abort()`` cancels the engine transfer: True once the engine can no longer touch
+    local memory for it (then this raises ``NativeError(ABORTED)``); False when it
+    cannot cancel (then this keeps waiting for the transfer to end, and still raises).
+    """
+    spins = 0
+    delay = 20e-6
+    aborted = False
+    while not check():
+        if control.aborted and not aborted:
+            if abort():
+                raise _native.NativeError(_native.Status.ABORTED, "transfer aborted")
+            aborted = True  # not cancellable: wait for the engine to finish with it
+        if spins < 32:
+            spins += 1
+            continue
+        time.sleep(delay)
+        delay = min(delay * 2, 1e-3)
+    if aborted:
+        raise _native.NativeError(_native.Status.ABORTED, "transfer aborted")
+
+
+class EnginePath(Path):
+    """The data path of one link over one engine (both sides run it).
+
+    Args:
+        agent: this instance's agent of the engine.
+        peer: the link's control connection (``peer.info.engines`` has the peer's info).
+    """
+
+    def __init__(self, agent: EngineAgent, peer: ControlLink) -> None:
+        self.agent = agent
+        self.peer = peer
+        self.kinds = (agent.kind,)
+        self.fds: FdChannel | None = None  # the link's fd channel (same host), if up
+        # Tiny same-host transfers may run inline on the loop (RemotePath sets it when
+        # the kernel allows process_vm_readv to the peer and the engine copies with it).
+        self.inline_ok = False
+        self._conn: EngineConn | None = None
+        self._seen: dict[str, Any] | None = None
+
+    @property
+    def remote_table(self) -> CacheTable:
+        return self.peer.table
+
+    def _peer_info(self) -> dict[str, Any]:
+        info = self.peer.info.engines.get(self.agent.kind.value)
+        if info is None:
+            raise failure(
+                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                f"cluster {self.peer.info.cluster_id} does not run engine {self.agent.kind}",
+            )
+        return info
+
+    async def _ready(self, call: Call) -> EngineConn:
+        info = self._peer_info()
+        if self._conn is not None and info is self._seen:
+            return self._conn
+
+        def sync(_control: _native.Control) -> EngineConn:
+            try:
+                if self._conn is None:
+                    self._conn = self.agent.connect(info)
+                else:
+                    self._conn.update(info)
+            except LLMException:
+                raise
+            except Exception as e:  # the engine's own error type
+                raise failure(
+                    LLMStatusCode.LLM_LINK_FAILED,
+                    f"engine {self.agent.kind}: cannot reach the agent of cluster "
+                    f"{self.peer.info.cluster_id}: {e}",
+                ) from e
+            self._seen = info
+            return self._conn
+
+        conn: EngineConn = await call.run(sync)
+        return conn
+
+    async def _run(
+        self,
+        call: Call,
+        plan: _native.Plan,
+        remote: CacheEntry,
+        local: CacheEntry,
+        job: Callable[..., None],
+    ) -> None:
+        if self.fds is not None and not self.fds.closed and remote.lease is not None:
+            page = await self.fds.peer_page(call.deadline)
+            slot, gen = remote.lease
+            # Same host, host memory, the kernel lets us read the peer (``inline_ok``):
+            # UCX moves it over CMA inside the post, so a tiny one runs inline, as cma.
+            inline = self.inline_ok and on_device(remote) is None and on_device(local) is None
+            await call.run(
+                leased(page, slot, gen, None, remote.cache_id, job),
+                local_bytes=plan.total_bytes if inline else -1,
+                inline_max=ONE_SIDED_INLINE_MAX_BYTES,
+                fair=True,
+            )
+            return
+        async with _engine_lease.remote_lease(self.peer, remote, call.deadline):
+            await call.run(job)
+
+    async def pull(
+        self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
+    ) -> None:
+        conn = await self._ready(call)
+        job = functools.partial(conn.read, plan, remote, local)
+        await self._run(call, plan, remote, local, job)
+
+    async def push(
+        self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call
+    ) -> None:
+        conn = await self._ready(call)
+        job = functools.partial(conn.write, plan, local, remote)
+        await self._run(call, plan, remote, local, job)
+
+    def close_conn(self) -> None:
+        """Forgets the peer's agent (blocking; no transfer runs on the link)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()

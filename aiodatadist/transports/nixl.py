@@ -1,0 +1,378 @@
+"""NIXL (``nixl-cu12``) as an engine: its UCX backend, host (DRAM) and device (VRAM) memory.
+
+One ``nixl_agent`` per instance (UCX backend, ``NIXL_THREAD_SYNC_STRICT``: the
+executor's threads share it; its progress thread stays on: over UCX's tcp
+transport a passive target only serves reads while something progresses it).
+:meth:`NixlAgent.info` is the agent's metadata (hex); a peer adds it with
+``add_remote_agent``. A transfer builds NIXL descriptor lists from
+``plan.segments()`` with numpy and keeps the prepared request per (remote cache,
+local cache, segments), so a repeated pull only posts it again and polls.
+
+What NIXL 1.5.1 does here (checked on this host: UCX over CMA, two processes):
+
+* ``add_remote_agent`` with newer metadata of an agent it already knows *updates*
+  it (memory the peer registered since becomes readable); no
+  ``remove_remote_agent`` is needed. Requests prepared before the update are
+  released (they may refer to the old metadata) and rebuilt on next use.
+* A READ/WRITE naming remote memory outside what the peer's metadata (as we have
+  it) lists fails when the request is created (``nixlNotFoundError``,
+  ``NIXL_ERR_NOT_FOUND``): nothing moves; straddling the end of a region too.
+  The check is the initiator's, against metadata the peer sent: memory the peer
+  deregistered after its last update is still read without error (UCX keeps the
+  mapping). Hence leases: we read a peer's cache only under its lease.
+* ``release_xfer_handle`` on a request in flight asks the backend to cancel it;
+  NIXL documents that when it cannot cancel it raises and keeps the handle. A release
+  that returned means "the engine no longer touches local memory for it"; one that
+  raised means "not cancellable": we then keep polling until the request leaves
+  ``PROC`` (bounded by UCX's own timeouts) before returning. Seen here: a release of
+  a READ in ``PROC`` returned, and no byte landed afterwards (``tests/engines``).
+* UCX over CMA moves a request *inside* ``postXferReq`` (256 MiB: ~100 ms in the post
+  call, nothing to abort). A transfer is therefore cut into requests of
+  :data:`CHUNK_BYTES`; the abort (deadline, cancel) is checked between them, so it
+  waits for at most one chunk and nothing is in flight when it raises.
+* A peer that dies mid-transfer: ``postXferReq``/``getXferStatus`` raise
+  ``nixlRemoteDisconnectError`` (``NIXL_ERR_REMOTE_DISCONNECT``; UCX logs requests
+  "not returned to mpool"), or the request ends in ``ERR``: the call fails at once
+  with ``LLM_LINK_FAILED``/``LLM_FAILED``, well within its deadline.
+* Trust: NIXL/UCX checks a READ/WRITE only against the metadata the peer sent (which
+  regions it registered); it has no notion of our leases or keys. NIXL paths belong
+  on trusted fabrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import _native
+from ..config import DataPath
+from ..errors import LLMStatusCode, failure
+from .engine import EngineAgent, EngineConn, EngineUnavailable, on_device, poll_until_done
+
+if TYPE_CHECKING:
+    from .._caches import CacheEntry
+
+__all__ = ["NixlAgent", "NixlConn"]
+
+log = logging.getLogger("aiodatadist.transports.nixl")
+
+_CACHED_REQUESTS = 64  # prepared transfers kept per connection
+CHUNK_BYTES = 8 * 1024 * 1024
+UCX_MODULES_DEFAULT = "^efa"
+"""``UCX_MODULES`` when unset: every UCX module but EFA (see ``NixlAgent.__init__``)."""
+"""Bytes per NIXL request of one transfer (an abort waits for at most one)."""
+
+
+def _chunks(op: str, segs: Any, local: CacheEntry, remote: CacheEntry) -> list[tuple[Any, Any]]:
+    """(local, remote) Nx3 descriptor arrays, in chunks of about CHUNK_BYTES.
+
+    NIXL over UCX's CMA moves a request inside ``postXferReq``: one request per chunk
+    bounds how long an abort (deadline, cancel) waits for the engine.
+    """
+    # READ: src = remote (columns 0, 1), dst = local (2, 3); WRITE the other way.
+    r_cols, l_cols = ((0, 1), (2, 3)) if op == "READ" else ((2, 3), (0, 1))
+    r_addrs = np.asarray(remote.addrs, dtype=np.uint64)
+    l_addrs = np.asarray(local.addrs, dtype=np.uint64)
+    r = r_addrs[segs[:, r_cols[0]].astype(np.intp)] + segs[:, r_cols[1]]
+    lo = l_addrs[segs[:, l_cols[0]].astype(np.intp)] + segs[:, l_cols[1]]
+    n = segs[:, 4]
+    if int(n.max(initial=0)) > CHUNK_BYTES:  # split long segments into CHUNK_BYTES pieces
+        pieces = (n + CHUNK_BYTES - 1) // CHUNK_BYTES
+        idx = np.repeat(np.arange(len(n)), pieces.astype(np.intp))
+        first = np.cumsum(pieces) - pieces
+        k = (np.arange(len(idx)) - first[idx]).astype(np.uint64)
+        off = k * np.uint64(CHUNK_BYTES)
+        r, lo = r[idx] + off, lo[idx] + off
+        n = np.minimum(n[idx] - off, np.uint64(CHUNK_BYTES))
+    rows = len(n)
+    rd = np.empty((rows, 3), dtype=np.uint64)
+    ld = np.empty((rows, 3), dtype=np.uint64)
+    rd[:, 0], ld[:, 0] = r, lo
+    rd[:, 1] = ld[:, 1] = n
+    rd[:, 2] = _dev(remote)
+    ld[:, 2] = _dev(local)
+    ends = np.cumsum(n)
+    if int(ends[-1]) <= CHUNK_BYTES:
+        return [(ld, rd)]
+    group = (ends - n) // np.uint64(CHUNK_BYTES)
+    cuts = np.flatnonzero(np.diff(group)) + 1
+    return list(zip(np.split(ld, cuts), np.split(rd, cuts), strict=True))
+
+
+def _mem(entry: CacheEntry) -> str:
+    return "DRAM" if on_device(entry) is None else "VRAM"
+
+
+def _dev(entry: CacheEntry) -> int:
+    return on_device(entry) or 0
+
+
+class NixlAgent(EngineAgent):
+    """This instance's NIXL agent (UCX backend)."""
+
+    kind = DataPath.NIXL
+    moves_device_memory = True
+    copies_inline_on_host = True  # UCX picks CMA on one host when ptrace allows it
+
+    @classmethod
+    def probe(cls) -> str | None:
+        from .._engine_env import engine_problem  # reasons with the command that fixes them
+
+        return engine_problem("nixl")
+
+    def __init__(self, name: str, host: str) -> None:
+        # UCX's AWS EFA module links the system libibverbs, whose libnl-route clashes with
+        # the copy bundled in the nixl-cu12 wheel: the process then dies of SIGSEGV at exit
+        # (in rtnl_tc_unregister, from _dl_fini), after everything else went well. Leaving
+        # that one module out avoids it (cma, tcp, ib, ib_mlx5 still load); a user who set
+        # UCX_MODULES (an EFA host) keeps their choice. UCX reads it when the agent starts.
+        os.environ.setdefault("UCX_MODULES", UCX_MODULES_DEFAULT)
+        try:
+            from nixl_cu12._api import (  # type: ignore[import-not-found,unused-ignore]
+                nixl_agent,
+                nixl_agent_config,
+                nixl_thread_sync_t,
+            )
+            from nixl_cu12._bindings import nixlXferDList  # type: ignore[import-not-found,unused-ignore]
+        except ImportError as e:
+            raise EngineUnavailable(
+                f"nixl-cu12 cannot be imported ({e}): pip install --no-deps 'nixl-cu12>=1.5,<2'"
+            ) from e
+        cfg = nixl_agent_config(
+            backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+        )
+        try:
+            self.nx = nixl_agent(name, cfg)
+        except Exception as e:
+            raise EngineUnavailable(f"NIXL agent setup failed: {e}") from e
+        if "UCX" not in self.nx.backends:
+            raise EngineUnavailable("NIXL has no UCX backend plugin here")
+        self.name = name
+        self.host = host
+        self.dlist = nixlXferDList
+        self.mems = self.nx.nixl_mems
+        self._regs: dict[int, Any] = {}
+        self._conns: set[NixlConn] = set()
+        self._lock = threading.Lock()
+
+    def info(self) -> dict[str, Any]:
+        with self._lock:
+            return {"name": self.name, "md": self.nx.get_agent_metadata().hex()}
+
+    def register(self, entry: CacheEntry) -> None:
+        n = entry.tensor_bytes
+        dev = _dev(entry)
+        regions = [(int(a), n, dev, "") for a in entry.addrs]
+        try:
+            with self._lock:
+                descs = self.nx.get_reg_descs(regions, _mem(entry))
+                self.nx.register_memory(descs)
+                self._regs[entry.cache_id] = descs
+        except Exception as e:
+            where = "host memory" if on_device(entry) is None else f"device {dev}"
+            raise failure(
+                LLMStatusCode.LLM_PARAM_INVALID,
+                f"NIXL cannot register cache {entry.cache_id} ({where}): {e}",
+            ) from e
+
+    def deregister(self, entry: CacheEntry) -> None:
+        for conn in list(self._conns):
+            conn.forget_local(entry.cache_id)
+        with self._lock:
+            descs = self._regs.pop(entry.cache_id, None)
+            if descs is not None:
+                self.nx.deregister_memory(descs)
+
+    def connect(self, peer_info: dict[str, Any]) -> NixlConn:
+        conn = NixlConn(self, peer_info)
+        self._conns.add(conn)
+        return conn
+
+    def close(self) -> None:
+        for conn in list(self._conns):
+            conn.close()
+        with self._lock:
+            for descs in self._regs.values():
+                self.nx.deregister_memory(descs)
+            self._regs.clear()
+
+
+class NixlConn(EngineConn):
+    """A connection to one peer's NIXL agent (transfers on it are serialized by the link)."""
+
+    def __init__(self, agent: NixlAgent, peer_info: dict[str, Any]) -> None:
+        self.agent = agent
+        self.nx = agent.nx
+        self._md = ""
+        self.remote_name: Any = None
+        self._reqs: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.update(peer_info)
+
+    def update(self, peer_info: dict[str, Any]) -> None:
+        md = str(peer_info["md"])
+        if md == self._md:
+            return
+        self._drop(lambda _key: True)
+        with self.agent._lock:
+            # Newer metadata of a known agent replaces the old (checked: see the docstring).
+            self.remote_name = self.nx.add_remote_agent(bytes.fromhex(md))
+        self._md = md
+
+    def _drop(self, which: Any) -> None:
+        with self._lock:
+            keys = [k for k in self._reqs if which(k)]
+            dropped = [self._reqs.pop(k) for k in keys]
+        for handles in dropped:
+            for h in handles:
+                if h is not None:
+                    self._release(h)
+
+    def _release(self, h: Any) -> None:
+        try:
+            self.nx.release_xfer_handle(h)
+        except Exception:
+            pass  # best effort: NIXL frees it with the agent
+
+    def forget_local(self, cache_id: int) -> None:
+        """Releases prepared requests on local cache ``cache_id`` (it is deregistered)."""
+        self._drop(lambda key: key[2] == cache_id)
+
+    def _requests(
+        self, op: str, plan: _native.Plan, local: CacheEntry, remote: CacheEntry
+    ) -> tuple[tuple[Any, ...], list[Any]]:
+        segs = plan.segments()
+        key = (op, remote.cache_id, local.cache_id, remote.lease, segs.tobytes())
+        handles = self._reqs.get(key)
+        if handles is not None:
+            self._reqs.move_to_end(key)
+            return key, handles
+        handles = [
+            self._make(op, ld, rd, local, remote) for ld, rd in _chunks(op, segs, local, remote)
+        ]
+        with self._lock:
+            self._reqs[key] = handles
+            while len(self._reqs) > _CACHED_REQUESTS:
+                _, old = self._reqs.popitem(last=False)
+                for h in old:
+                    self._release(h)
+        return key, handles
+
+    def _make(self, op: str, ld: Any, rd: Any, local: CacheEntry, remote: CacheEntry) -> Any:
+        mems = self.agent.mems
+        try:
+            return self.nx.initialize_xfer(
+                op,
+                self.agent.dlist(mems[_mem(local)], ld),
+                self.agent.dlist(mems[_mem(remote)], rd),
+                self.remote_name,
+            )
+        except Exception as e:
+            raise failure(
+                LLMStatusCode.LLM_FAILED,
+                f"NIXL refused the {op} of remote cache {remote.cache_id}: {e} (the memory "
+                "is not registered with the peer's agent as we know it)",
+            ) from e
+
+    def _run(
+        self,
+        op: str,
+        plan: _native.Plan,
+        local: CacheEntry,
+        remote: CacheEntry,
+        control: _native.Control,
+    ) -> None:
+        key, handles = self._requests(op, plan, local, remote)
+        for i, h in enumerate(handles):
+            # Between chunks nothing is in flight: an abort there is exact.
+            if i and control.aborted:
+                raise _native.NativeError(_native.Status.ABORTED, "transfer aborted")
+            self._one(key, i, h, op, remote, control)
+
+    def _one(
+        self,
+        key: tuple[Any, ...],
+        i: int,
+        h: Any,
+        op: str,
+        remote: CacheEntry,
+        control: _native.Control,
+    ) -> None:
+        nx = self.nx
+        try:
+            state = nx.transfer(h)
+        except Exception as e:
+            raise self._failed(key, op, remote, e) from e
+        if state == "DONE":
+            return
+        failed = state == "ERR"
+
+        def check() -> bool:
+            nonlocal failed
+            if failed:
+                return True
+            try:
+                s = nx.check_xfer_state(h)
+            except Exception as e:
+                raise self._failed(key, op, remote, e) from e
+            failed = s == "ERR"
+            return s != "PROC"
+
+        def abort() -> bool:
+            try:
+                nx.release_xfer_handle(h)
+            except Exception as e:
+                log.debug("NIXL could not cancel a %s in flight (%s): waiting for it", op, e)
+                return False
+            log.debug("NIXL cancelled a %s in flight", op)
+            with self._lock:
+                handles = self._reqs.get(key)
+            if handles is not None:
+                handles[i] = None  # released: the request is rebuilt next time
+                self._drop(lambda k: k == key)
+            return True
+
+        poll_until_done(check, control, abort)
+        if failed:
+            raise self._failed(key, op, remote, None)
+
+    def _failed(
+        self, key: tuple[Any, ...], op: str, remote: CacheEntry, error: Exception | None
+    ) -> Exception:
+        self._drop(lambda k: k == key)  # a failed request is not posted again
+        why = type(error).__name__ if error is not None else "ERR"
+        # NIXL_ERR_REMOTE_DISCONNECT: the peer's agent is gone (its process died).
+        code = (
+            LLMStatusCode.LLM_LINK_FAILED
+            if error is not None and "Disconnect" in why
+            else LLMStatusCode.LLM_FAILED
+        )
+        return failure(
+            code, f"NIXL {op} of remote cache {remote.cache_id} failed: {why} ({error or ''})"
+        )
+
+    def read(
+        self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, control: _native.Control
+    ) -> None:
+        self._run("READ", plan, local, remote, control)
+
+    def write(
+        self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, control: _native.Control
+    ) -> None:
+        self._run("WRITE", plan, local, remote, control)
+
+    def close(self) -> None:
+        self._drop(lambda _key: True)
+        self.agent._conns.discard(self)
+        if self.remote_name is not None:
+            with self.agent._lock:
+                try:
+                    self.nx.remove_remote_agent(self.remote_name)
+                except Exception:
+                    pass
+            self.remote_name = None
