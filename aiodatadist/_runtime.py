@@ -60,7 +60,9 @@ class Runtime:
             LLMException: LLM_FEATURE_NOT_ENABLED, an engine cannot run here (says why).
         """
         if self.options.engines:
-            kinds, host = self.options.engines, self.options.listen_ip or "127.0.0.1"
+            # No listen address (a decoder that only links out): "" lets an engine advertise
+            # an address peers on other hosts can reach (Mooncake: the default route's).
+            kinds, host = self.options.engines, self.options.listen_ip or ""
             self.engines[:] = await self.executor.run(
                 lambda _c: start_engines(kinds, self.cluster_id, host), deadline=None
             )
