@@ -23,7 +23,7 @@ from . import _native
 from .errors import LLMStatusCode, failure
 from .types import CacheDesc, KvCache
 
-__all__ = ["CacheEntry", "CacheTable", "RowKey"]
+__all__ = ["CacheEntry", "CacheTable", "RowKey", "require_host_memory"]
 
 RowKey = tuple[int, int]
 """``(req_id or prefix_id, model_id)`` naming one row of a non-block cache."""
@@ -40,7 +40,10 @@ class CacheEntry:
     is_blocks: bool
     addrs: list[int]
     data_type: int = 0
-    placement: int = 0  # Placement.HOST; every cache is host-addressable memory here
+    placement: int = 0  # upstream's label (CacheDesc.placement): not where the memory lives
+    # The CUDA device the tensors live on (registered from device tensors, moved only by an
+    # engine that moves device memory); None: host memory our own paths may read and write.
+    device_id: int | None = None
     shape: tuple[int, ...] = ()
     model_id: int | None = None
     row_keys: dict[RowKey, int] = field(default_factory=dict)
@@ -143,6 +146,7 @@ class CacheEntry:
             "shm_size": self.shm_size,
             "shm_offsets": list(self.shm_offsets),
             "lease": None if self.lease is None else list(self.lease),
+            "device_id": self.device_id,
         }
 
     @classmethod
@@ -163,8 +167,24 @@ class CacheEntry:
             shm_size=int(d["shm_size"]),
             shm_offsets=[int(o) for o in d["shm_offsets"]],
             lease=None if d.get("lease") is None else (int(d["lease"][0]), int(d["lease"][1])),
+            device_id=None if d.get("device_id") is None else int(d["device_id"]),
             local=False,
         )
+
+
+def require_host_memory(what: str, *entries: CacheEntry) -> None:
+    """Refuses device memory where this process would read or write it itself.
+
+    Raises:
+        LLMParamError: LLM_PARAM_INVALID, one of ``entries`` lives in device memory.
+    """
+    for e in entries:
+        if e.device_id is not None:
+            raise failure(
+                LLMStatusCode.LLM_PARAM_INVALID,
+                f"{what}: cache {e.cache_id} is in device memory (cuda:{e.device_id}); only an "
+                "engine path that moves device memory (nixl) transfers it, nothing here reads it",
+            )
 
 
 class CacheTable:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from . import _runner
 from ._bridge import public
-from ._caches import CacheEntry
+from ._caches import CacheEntry, require_host_memory
 from ._checks import row_copy_segments
 from ._plan import LocalCopyRequest
 from ._validate import check_int, check_timeout, check_type, check_uint, require
@@ -79,6 +79,7 @@ class LocalMixin:
         tmo = check_timeout("timeout", timeout)
         log.debug("copy_cache req_id=%s: %d segments", req_id, len(segments))
         holds = (s,) if s is d else (s, d)
+        require_host_memory("copy_cache", *holds)
         request = LocalCopyRequest(s, d, segments, self._rt.deadline(tmo), holds)
         await _runner.copy(self._rt, request)
 
@@ -185,6 +186,7 @@ class LocalMixin:
             (t, s * bb, t, d * bb, bb) for t in range(src.num_tensors) for s, d in pairs
         )
         holds = tuple(dict.fromkeys(src_holds + dst_holds))
+        require_host_memory("swap_blocks", *holds)
         request = LocalCopyRequest(src, dst, segments, self._rt.deadline(tmo), holds)
         await _runner.copy(self._rt, request)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from . import _native
 from ._buffers import TensorMemory, tensor_memory
-from ._caches import CacheEntry, CacheTable
+from ._caches import CacheEntry, CacheTable, require_host_memory
 from ._leases import LeaseBook
 from ._plan import row_key
 from ._validate import INVALID_ID, check_int_list, check_type, require
@@ -54,18 +54,24 @@ def _tensor_stride(size: int) -> int:
     return -(-size // _TENSOR_ALIGN) * _TENSOR_ALIGN
 
 
-def buffers_to_addrs(desc: CacheDesc, addrs: object) -> tuple[list[int], list[Any] | None]:
-    """``addrs`` as tensor addresses, and the buffers to keep alive (None for ints).
+def buffers_to_addrs(
+    desc: CacheDesc, addrs: object, device_engines: Sequence[str] = ()
+) -> tuple[list[int], list[Any] | None, int | None]:
+    """``addrs`` as tensor addresses, the buffers to keep alive (None for ints), and the
+    CUDA device they live on (None: host memory).
 
-    Each entry is an int address, or a tensor object read by
+    Each entry is an int address (host memory), or a tensor object read by
     :func:`~aiodatadist._buffers.tensor_memory` (buffer protocol, array interfaces,
     DLPack, ``data_ptr()``). Every entry is checked before anything is registered.
+    Device memory is accepted only when ``device_engines`` (the engines this instance
+    runs that move it) is not empty, only CUDA memory, all tensors on one device; it is
+    never read or written here.
 
     Raises:
         TypeError: not a list, or a mix of ints and objects, or an object that is not
             a tensor this can read.
-        LLMParamError: a count, null address, device memory, or a tensor that is not
-            contiguous, writable and large enough.
+        LLMParamError: a count, null address, device memory no engine here moves, or a
+            tensor that is not contiguous, writable and large enough.
     """
     check_type("addrs", addrs, (list, tuple))
     assert isinstance(addrs, (list, tuple))
@@ -78,21 +84,32 @@ def buffers_to_addrs(desc: CacheDesc, addrs: object) -> tuple[list[int], list[An
         out = check_int_list("addrs", addrs)
         for i, a in enumerate(out):
             require(a != 0, f"addrs[{i}] is a null address")
-        return out, None
+        return out, None, None
     result: list[int] = []
     keep: list[Any] = []
+    devices: set[int | None] = set()
     for i, obj in enumerate(addrs):
         if isinstance(obj, int) and not isinstance(obj, bool):
             raise TypeError(
                 "addrs must be all int addresses or all tensor objects, "
                 f"got a mix (addrs[{i}] is int)"
             )
-        mem = tensor_memory(obj, f"addrs[{i}]")
+        mem = tensor_memory(obj, f"addrs[{i}]", export_device=bool(device_engines))
         where = f"addrs[{i}] ({mem.source})"
+        device = None
+        if mem.placement is Placement.DEVICE:
+            require(
+                bool(device_engines),
+                f"{where}: device memory ({mem.device}) needs a fabric data path "
+                "(NIXL/Mooncake); the host paths cannot move it (start NIXL with "
+                "aiodatadist.Engines=nixl to register device memory)",
+            )
+            device = _cuda_device(mem.device, where, device_engines)
+        devices.add(device)
         require(
-            mem.placement is not Placement.DEVICE,
-            f"{where}: device memory ({mem.device}) needs a fabric data path "
-            "(NIXL/Mooncake); the host paths cannot move it",
+            len(devices) == 1,
+            f"{where}: the tensors of one cache must all be host memory or all on one "
+            f"device (found {sorted(str(d) if d is not None else 'host' for d in devices)})",
         )
         require(mem.contiguous, f"{where} is not C-contiguous")
         require(mem.writable is not False, f"{where} is read-only; a cache must be writable")
@@ -102,8 +119,22 @@ def buffers_to_addrs(desc: CacheDesc, addrs: object) -> tuple[list[int], list[An
         )
         require(mem.addr != 0, f"{where} is at a null address")
         result.append(mem.addr)
-        keep.append(mem.keep if mem.source == "buffer" else _host_view(mem))
-    return result, keep
+        if device is not None or mem.source == "buffer":
+            keep.append(mem.keep)  # (device memory: never viewed from the host)
+        else:
+            keep.append(_host_view(mem))
+    return result, keep, devices.pop()
+
+
+def _cuda_device(label: str, where: str, engines: Sequence[str]) -> int:
+    """The CUDA device id of a device label (``cuda``, ``cuda:N``), or LLM_PARAM_INVALID."""
+    kind, _, index = label.partition(":")
+    require(
+        kind == "cuda",
+        f"{where}: device memory of type {kind!r} ({label}); the engines here "
+        f"({', '.join(engines)}) move CUDA device memory only",
+    )
+    return int(index) if index.isdigit() else 0
 
 
 def _host_view(mem: TensorMemory) -> Any:
@@ -175,10 +206,17 @@ class CacheRegistry:
             TypeError, LLMParamError: as :func:`buffers_to_addrs`; overlapping memory;
                 duplicate or already bound row keys.
         """
-        addr_list, buffers = buffers_to_addrs(desc, addrs)
+        movers = [str(a.kind) for a in self.engines if a.moves_device_memory]
+        addr_list, buffers, device_id = buffers_to_addrs(desc, addrs, movers)
         self._check_no_overlap(addr_list, desc.size)
         return self._add(
-            desc, addr_list, is_blocks, model_id=model_id, row_keys=row_keys, buffers=buffers
+            desc,
+            addr_list,
+            is_blocks,
+            model_id=model_id,
+            row_keys=row_keys,
+            buffers=buffers,
+            device_id=device_id,
         )
 
     def allocate(
@@ -245,10 +283,12 @@ class CacheRegistry:
         buffers: list[Any] | None = None,
         segment: _native.ShmSegment | None = None,
         shm_offsets: list[int] | None = None,
+        device_id: int | None = None,
     ) -> KvCache:
         cache = KvCache(next(_cache_ids), desc, addrs, is_blocks_cache=is_blocks)
         entry = CacheEntry.for_cache(cache, desc, addrs)
         entry.model_id = model_id
+        entry.device_id = device_id
         for row, key in enumerate(row_keys):
             rk = row_key(key)
             if rk[0] == INVALID_ID:
@@ -287,6 +327,8 @@ class CacheRegistry:
         done = []
         try:
             for agent in self.engines:
+                if entry.device_id is not None and not agent.moves_device_memory:
+                    continue  # (it never moves this cache: the path choice skips it)
                 agent.register(entry)
                 done.append(agent)
         except BaseException:
@@ -296,6 +338,8 @@ class CacheRegistry:
 
     def _engines_deregister(self, entry: CacheEntry) -> None:
         for agent in self.engines:
+            if entry.device_id is not None and not agent.moves_device_memory:
+                continue  # (never registered with it)
             try:
                 agent.deregister(entry)
             except Exception:
@@ -316,6 +360,7 @@ class CacheRegistry:
                 api="tensors",
             )
         assert entry.cache is not None
+        require_host_memory("tensors", entry)
         desc = entry.cache.cache_desc
         dtype = desc.data_type.to_numpy()
         count = desc.size // dtype.itemsize

@@ -419,6 +419,8 @@ _DESCRIPTION: Mapping[str, Field] = {
     # [slot, generation] of the cache's lease for one-sided access (aiodatadist._leases);
     # null: none, so peers use tcp for it.
     "lease": Field((list, type(None)), required=False, check=_lease),
+    # The CUDA device of a cache registered from device tensors; null/absent: host memory.
+    "device_id": Field((int, type(None)), required=False, check=_range(0, _I31)),
 }
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _runner
 from ._bridge import public
+from ._caches import require_host_memory
 from ._checks import (
     MISSING,
     blocks_pull_request,
@@ -377,6 +378,7 @@ class CacheManager(PushMixin, LocalMixin, LayerwiseMixin):
         entry = self._caches.live("cache", cache)
         pairs = copy_pairs(entry, copy_block_info)
         tmo = check_timeout("timeout", timeout)
+        require_host_memory("copy_blocks", entry)
         request = CopyRequest(entry=entry, pairs=tuple(pairs), deadline=self._rt.deadline(tmo))
         await _runner.copy(self._rt, request)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import _native, _wire
+from .._caches import require_host_memory
 from .._leases import LeaseStale
 from ..errors import LLMException, LLMStatusCode, failure, from_native
 from .tcp_streams import LOOP_MAX_BYTES, LoopMove
@@ -227,6 +228,9 @@ class TcpServing:
                 api=api,
                 kind=LeaseStale,
             )
+        # Device memory is moved by engines only: never read or written here, whatever a
+        # peer asks (its table said the cache is on a device).
+        require_host_memory("tcp", entry)
         segs = _wire.segments_from_bytes(msg.binary)
         pull = msg.type == _wire.MsgType.PULL
         try:

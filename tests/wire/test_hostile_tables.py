@@ -60,7 +60,7 @@ async def main():
             cache_id=forged["cache_id"] + 1000, model_id=9, shm_size=big,
             shm_offsets=[big - 4 * 1024],
         )
-        link.path.peer._apply_table(real + [forged])
+        link.path.peer._apply_table({"table": real + [forged]})
         before = arrays[0].copy()
         try:
             await cm.pull_blocks(BlocksCacheKey(1, 9), dst, [0], [0], timeout=5)
