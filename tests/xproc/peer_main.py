@@ -40,6 +40,10 @@ Commands (``cmd``; every reply has ``ok`` and, on failure, ``status``/``error``)
   ``status`` (the ``RegisterMemStatus`` name). ``comm_unlink`` ``{comm_id}``.
 * ``switch_role`` ``{role, listen}``: ``switch_role(LLMRole[role], {"llm.listenIpInfo":
   listen} if listen else None)``; replies ``address`` (``listen_address``).
+* ``big`` ``{model_id, mib, allocate}``: a new blocks cache ``big`` (2 tensors of ``mib / 2``
+  blocks of 1 MiB, filled with 0x5A), allocated in shared memory with ``allocate``.
+* ``used`` ``{cluster_id}``: the data path that moved the last transfer of the link to
+  ``cluster_id`` and the paths of its metrics' counts.
 * ``quit``.
 """
 
@@ -271,6 +275,27 @@ class Commands(PeerCommands):
     async def cmd_comm_unlink(self, c: dict[str, Any]) -> dict[str, Any]:
         await self.dd.unlink(int(c["comm_id"]))
         return {"ok": True}
+
+    async def cmd_big(self, c: dict[str, Any]) -> dict[str, Any]:
+        big = xc.big_spec(int(c["mib"]))
+        spec = xc.Spec(
+            "big",
+            True,
+            bool(c.get("allocate", False)),
+            big.shape,
+            num_tensors=big.num_tensors,
+            model_id=int(c["model_id"]),
+        )
+        self.caches["big"] = xc.make_cache(self.dd, spec, 0, self.cluster_id)
+        return {"ok": True, **self.describe(self.caches["big"])}
+
+    async def cmd_used(self, c: dict[str, Any]) -> dict[str, Any]:
+        link = self.dd._rt.links.find(int(c["cluster_id"]))
+        if link is None:
+            return {"ok": False, "error": f"no link to {c['cluster_id']}"}
+        used = link.path.used or link.data_path
+        paths = sorted({str(path) for _, path in link.metrics.counts})
+        return {"ok": True, "used": str(used), "paths": paths}
 
     async def cmd_switch_role(self, c: dict[str, Any]) -> dict[str, Any]:
         listen = c.get("listen")
