@@ -38,6 +38,11 @@ __all__ = ["LEASE_TYPES", "remote_lease", "serve"]
 LEASE_TYPES = (_wire.MsgType.LEASE, _wire.MsgType.UNLEASE)
 """The requests the owner's read loop hands to :func:`serve`."""
 
+MAX_HELD = 256
+"""Leases one link may hold at once. An honest requester holds one per transfer (its
+link's transfers take turns) plus those whose UNLEASE is on its way; more are refused
+(``LLM_LINK_BUSY``), so a peer cannot grow the owner's table without bound."""
+
 # Owner side: per link, the leases granted and not yet released (req -> entry).
 _held: weakref.WeakKeyDictionary[Any, dict[int, CacheEntry]] = weakref.WeakKeyDictionary()
 _tasks: set[asyncio.Task[None]] = set()
@@ -108,6 +113,14 @@ async def serve(peer: Any, msg: _wire.Message) -> None:
     entry = peer.rt.caches.entries.get(cache_id)
     reply: dict[str, Any] = {"req": req, "status": 0, "info": ""}
     try:
+        if req in held or len(held) >= MAX_HELD:
+            # A second grant under one req would replace (and so never release) the first:
+            # the cache could then never be freed. Refused; nothing is held for it.
+            raise failure(
+                LLMStatusCode.LLM_LINK_BUSY,
+                f"lease {req} is already held" if req in held else f"{MAX_HELD} leases held",
+                api="lease",
+            )
         if entry is None or (gen is not None and entry.lease is not None and entry.lease[1] != gen):
             raise failure(
                 LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
@@ -116,7 +129,8 @@ async def serve(peer: Any, msg: _wire.Message) -> None:
             )
         entry.hold(api="lease")
     except LLMException as e:
-        reply.update(status=int(e.status_code), info=str(e)[:1000], stale=True)
+        stale = e.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+        reply.update(status=int(e.status_code), info=str(e)[:1000], stale=stale)
     else:
         held[req] = entry
     try:
