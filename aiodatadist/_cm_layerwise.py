@@ -5,18 +5,21 @@ A mixin of :class:`~aiodatadist.cache_manager.CacheManager`. The call is checked
 :class:`LayerStream`: an async iterator, and an async context manager, whose every
 step yields one :class:`LayerPulled` once that layer's bytes have all landed.
 
-Each layer is its own transfer on the one path (:func:`aiodatadist._runner.run`, a
-:class:`~aiodatadist._plan.PullRequest` restricted to that layer's tensors), started
-as a task before the previous layer is handed to the caller, so up to ``depth`` layers
-are queued on the link while the caller computes. Every layer takes the link's FIFO
-slot on its own (other transfers on the link may run between two layers) and copies
-under its own lease, exactly as a ``pull_blocks`` of that one layer would.
+The whole iteration is ONE transfer on the one path (:func:`aiodatadist._runner.run`
+with a :class:`~aiodatadist.transports.base.LayerCut`): one FIFO slot, one hold of
+each cache (one lease bracket on the one-sided paths), one deadline, one native job
+(``inproc``, ``shm``, ``cma``) that copies the layers in order and adds 1 to an eventfd
+as each one has landed, without the GIL. The loop watches the eventfd
+(``loop.add_reader``) and wakes the caller waiting for that layer. Paths without a
+layered job (``tcp``, the engines) move the layers one after another inside the same
+slot hold and signal the same eventfd.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import contextlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,9 +28,10 @@ from . import _runner
 from ._bridge import bridged, public
 from ._checks import blocks_pull_request
 from ._executor import quiesce
-from ._plan import PullRequest, resolve, tensor_span
+from ._plan import PullRequest
 from ._validate import check_int, require
-from .errors import LLMException, LLMStatusCode, api_scope
+from .errors import LLMStatusCode, api_scope, failure
+from .transports.base import LayerCut
 from .types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, KvCache
 
 if TYPE_CHECKING:
@@ -59,21 +63,70 @@ class LayerPulled:
     nbytes: int
 
 
-def _retrieve(task: asyncio.Task[None]) -> None:
-    # A layer nobody will ask for (the stream was dropped): its error is not "never retrieved".
-    if not task.cancelled():
-        task.exception()
+class _Flight:
+    """The one transfer of a stream: its task, its eventfd and the layers landed so far.
+
+    Nothing here refers to the stream, so a stream dropped mid-iteration is collected
+    (and aborts its transfer) while the transfer still runs.
+    """
+
+    __slots__ = ("fd", "landed", "loop", "task", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.landed = 0
+        self.waiter: asyncio.Future[None] | None = None
+        self.task: asyncio.Task[None] | None = None
+        try:
+            loop.add_reader(self.fd, self._readable)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def read(self) -> None:
+        if self.fd < 0:
+            return
+        with contextlib.suppress(BlockingIOError):
+            self.landed += os.eventfd_read(self.fd)
+
+    def _readable(self) -> None:
+        self.read()
+        self.wake()
+
+    def wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def close(self) -> None:
+        """Once the transfer has returned (nothing writes the fd any more). Idempotent."""
+        if self.fd < 0:
+            return
+        self.read()
+        self.loop.remove_reader(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+
+    def finished(self, task: asyncio.Task[None]) -> None:
+        # The task's done callback: its error is not "never retrieved" (a stream dropped
+        # with the transfer in flight never asks), the fd goes, a waiting caller wakes.
+        if not task.cancelled():
+            task.exception()
+        self.close()
+        self.wake()
 
 
 class LayerStream:
     """The layers of one ``pull_blocks_layerwise`` call, in order, as they land.
 
     ``async for layer in stream`` (or ``async with stream as layers: async for ...``).
-    Nothing moves before the first ``__anext__``; from then on up to ``depth`` layers
-    not yet handed over are in flight. Leaving early (``break``, an exception in the
-    loop body, :meth:`aclose`, a cancel) aborts what is in flight, as a cancelled
-    ``pull_blocks`` does: the native jobs are aborted and awaited, the link stays
-    usable, and the destination blocks of the layers not yet handed over are undefined.
+    Nothing moves before the first ``__anext__``, which starts the one transfer of the
+    whole iteration; every layer moves as soon as the path can move it, while the
+    caller computes on the layers handed over. Leaving early (``break``, an exception
+    in the loop body, :meth:`aclose`, a cancel) aborts the transfer, as a cancelled
+    ``pull_blocks`` does: the native job is aborted and awaited, the link stays usable,
+    and the destination blocks of the layers not yet handed over are undefined.
     ``async with`` (or :meth:`aclose`) does that before it returns; a plain ``async for``
     left by ``break`` aborts when the stream is collected (at once in CPython, unless
     something else still refers to it).
@@ -81,15 +134,13 @@ class LayerStream:
 
     __slots__ = (
         "__weakref__",
-        "_base",
         "_closed",
-        "_depth",
-        "_inflight",
+        "_cut",
+        "_flight",
         "_layers",
         "_link",
         "_loop",
         "_nbytes",
-        "_next",
         "_rt",
         "_started",
         "_whole",
@@ -105,15 +156,14 @@ class LayerStream:
         nbytes: int,
         depth: int,
     ) -> None:
+        del depth  # accepted (checked by the caller); the one transfer never waits for it
         self._rt = rt
         self._loop = rt.loop
         self._link = link
         self._whole = whole
         self._layers = tuple(layers)
         self._nbytes = nbytes
-        self._depth = depth
-        self._inflight: deque[asyncio.Task[None]] = deque()
-        self._next = 0  # the next layer to start
+        self._flight: _Flight | None = None
         self._yielded = 0
         self._started = False
         self._closed = False
@@ -141,12 +191,12 @@ class LayerStream:
 
     @bridged
     async def aclose(self) -> None:
-        """Aborts the layers in flight and waits until their native jobs have returned.
+        """Aborts the transfer if it still runs and waits until its native job has returned.
 
         Idempotent.
 
         Raises:
-            asyncio.CancelledError: cancelled meanwhile; raised once they have returned.
+            asyncio.CancelledError: cancelled meanwhile; raised once it has returned.
         """
         self._closed = True
         await self._drain()
@@ -155,114 +205,118 @@ class LayerStream:
     async def __anext__(self) -> LayerPulled:
         """The next layer, once its bytes have all landed.
 
+        The last layer is handed over once the whole transfer has returned (the link's
+        slot and the caches are let go by then).
+
         Raises:
             StopAsyncIteration: every layer was handed over, or the stream was closed
                 (or ended by an error raised earlier).
-            LLMException: that layer's transfer failed (as ``pull_blocks``); the layers
-                in flight after it were aborted, the stream is closed.
-            asyncio.CancelledError: cancelled; raised once every native job of the
-                stream has returned (the stream is closed).
+            LLMException: the transfer failed in this layer (as ``pull_blocks``); the
+                stream is closed.
+            asyncio.CancelledError: cancelled; raised once the stream's native job has
+                returned (the stream is closed).
         """
-        if self._closed or self._yielded == len(self._layers):
+        n = len(self._layers)
+        if self._closed or self._yielded == n:
             raise StopAsyncIteration
         if not self._started:
+            # The peer's side (key, tensor count, block ids) is checked by the runner's
+            # plan before a byte moves; its error is raised here, at layer 0.
             self._started = True
             try:
-                with api_scope(_API):
-                    await self._check_remote()
+                self._start()
             except BaseException:
                 self._closed = True
                 raise
-        self._fill()
-        task = self._inflight[0]
-        if not task.done():
+        fl = self._flight
+        assert fl is not None and fl.task is not None
+        k = self._yielded
+        task = fl.task
+        # Layer k is ready once it landed; the last one once the transfer returned too.
+        while not (fl.landed > k and (k + 1 < n or task.done())):
+            if task.done():
+                fl.read()  # the done callback may not have run yet
+                if fl.landed > k and k + 1 < n:
+                    break
+                self._closed = True
+                fl.close()
+                task.result()  # raises the transfer's error (or CancelledError)
+                if fl.landed > k:
+                    break
+                raise failure(
+                    LLMStatusCode.LLM_FAILED,
+                    f"the transfer returned after {fl.landed} of {n} layers",
+                    api=_API,
+                )
+            waiter = fl.waiter = self._loop.create_future()
             try:
-                await asyncio.wait((task,))  # never cancels what it waits for
+                await waiter
             except asyncio.CancelledError as exc:
                 self._closed = True
-                await self._drain(exc)  # raises exc once every native job has returned
+                await self._drain(exc)  # raises exc once the native job has returned
                 raise
-        self._inflight.popleft()
-        if task.cancelled() or task.exception() is not None:
-            self._closed = True
-            await self._drain()
-            task.result()  # raises the layer's error (or CancelledError: the task was)
-        k = self._yielded
+            finally:
+                fl.waiter = None
         self._yielded = k + 1
-        self._fill()  # the next layers go in flight before the caller gets this one
+        if self._yielded == n:
+            fl.close()
         src, dst = self._layers[k]
         return LayerPulled(k, src, dst, self._nbytes)
 
-    async def _check_remote(self) -> None:
-        """What ``pull_blocks`` would check against the peer's cache before a byte moves:
-        the key (fetched once on a miss) and the layers against its tensor count."""
-        whole, link = self._whole, self._link
+    def _start(self) -> None:
+        """Starts the one transfer of the iteration (its task copies this call's api)."""
+        t = self._whole.tensors_per_layer
+        fl = _Flight(self._loop)
         try:
-            remote, _ = resolve(link.path.remote_table, whole.key)
-        except LLMException as e:
-            if e.status_code != LLMStatusCode.LLM_KV_CACHE_NOT_EXIST:
-                raise
-            if not await link.path.refresh(whole.deadline):
-                raise
-            remote, _ = resolve(link.path.remote_table, whole.key)
-        tensor_span(
-            remote.num_tensors,
-            whole.local.num_tensors,
-            whole.src_layers,
-            whole.dst_layers,
-            whole.tensors_per_layer,
-        )
+            cut = LayerCut(fl.fd, self._layers[0][1] * t, t, len(self._layers))
+            with api_scope(_API):
+                fl.task = self._loop.create_task(
+                    _runner.run(self._rt, self._link, self._whole_span(), cut)
+                )
+        except BaseException:
+            fl.close()
+            raise
+        fl.task.add_done_callback(fl.finished)
+        self._flight = fl
 
-    def _fill(self) -> None:
-        """Starts layers until ``depth`` of them are started and not yet handed over."""
-        top = min(len(self._layers), self._yielded + self._depth)
-        if self._next >= top:
-            return
-        whole, rt, link = self._whole, self._rt, self._link
-        with api_scope(_API):  # the tasks copy it: their errors name this call
-            while self._next < top:
-                s, d = self._layers[self._next]
-                request = whole._replace(src_layers=range(s, s + 1), dst_layers=range(d, d + 1))
-                task = self._loop.create_task(_runner.run(rt, link, request))
-                task.add_done_callback(_retrieve)
-                self._inflight.append(task)
-                self._next += 1
+    def _whole_span(self) -> PullRequest:
+        # The request over exactly the iteration's layers (both ranges explicit).
+        (s0, d0), (s1, d1) = self._layers[0], self._layers[-1]
+        return self._whole._replace(src_layers=range(s0, s1 + 1), dst_layers=range(d0, d1 + 1))
 
     async def _drain(self, cancelled: asyncio.CancelledError | None = None) -> None:
-        """Cancels every layer in flight and waits (through cancels) until each has ended."""
-        tasks = list(self._inflight)
-        self._inflight.clear()
-        self._next = len(self._layers)  # nothing starts any more
-        if not tasks:
+        """Cancels the transfer if it runs and waits (through cancels) until it has ended."""
+        fl = self._flight
+        task = fl.task if fl is not None else None
+        if fl is None or task is None or task.done():
+            if fl is not None:
+                fl.close()
             if cancelled is not None:
                 raise cancelled
             return
-        for task in reversed(tasks):  # the queued ones first: none takes the slot meanwhile
-            task.cancel()
-        await quiesce(asyncio.gather(*tasks, return_exceptions=True), cancelled=cancelled)
+        task.cancel()
+        try:
+            await quiesce(task, cancelled=cancelled)
+        finally:
+            if task.done():
+                fl.close()
 
     def __del__(self) -> None:
-        # Dropped with layers in flight (a plain ``async for`` left by ``break``): abort them.
-        inflight = getattr(self, "_inflight", None)
-        if not inflight:
+        # Dropped with the transfer in flight (a plain ``async for`` left by ``break``).
+        fl = getattr(self, "_flight", None)
+        task = fl.task if fl is not None else None
+        if task is None or task.done():
             return
-        tasks = list(inflight)
-        inflight.clear()
-        try:
-            self._loop.call_soon_threadsafe(_cancel_all, tasks)
-        except RuntimeError:  # the loop is closed: nothing of ours runs there any more
-            pass
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing of ours runs
+            self._loop.call_soon_threadsafe(task.cancel)
 
     def __repr__(self) -> str:
+        fl = self._flight
+        running = fl is not None and fl.task is not None and not fl.task.done()
         return (
-            f"<LayerStream {self._yielded}/{len(self._layers)} layers, "
-            f"{len(self._inflight)} in flight{' closed' if self._closed else ''}>"
+            f"<LayerStream {self._yielded}/{len(self._layers)} layers"
+            f"{', in flight' if running else ''}{' closed' if self._closed else ''}>"
         )
-
-
-def _cancel_all(tasks: list[asyncio.Task[None]]) -> None:
-    for task in reversed(tasks):
-        task.cancel()
 
 
 class LayerwiseMixin:
@@ -306,14 +360,20 @@ class LayerwiseMixin:
         ``LLMTimeoutError``, raised where the caller asks for it; layers that landed
         earlier are still handed over.
 
-        Each layer is one transfer on the link, taking the link's FIFO slot on its own:
-        other transfers on the same link may run between two layers (upstream's "one
-        transfer per link at a time" holds per layer), and each one-sided copy holds the
-        peer cache's lease only while its own layer moves.
+        The whole iteration is one transfer on the link: it takes the link's FIFO slot
+        once (other transfers on the link wait until it ends: upstream's "one transfer
+        per link at a time"), holds both caches (on ``shm`` / ``cma`` the peer cache's
+        lease) throughout, and is counted once in the metrics. On ``inproc``, ``shm``
+        and ``cma`` one native job moves every layer in order and signals each landed
+        layer on an eventfd the loop watches; ``tcp`` moves the layers one after another
+        in the same slot hold. Every layer moves as soon as the path can move it, while
+        the caller computes; the last layer is handed over once the transfer returned.
 
-        An error in layer ``k`` (the link closed, the peer freed its cache, ...) is
-        raised when the caller asks for layer ``k``: every layer handed over before it
-        is valid, the layers after it are aborted and the stream ends.
+        An error in layer ``k`` (the peer died, its lease was revoked, the deadline
+        passed, ...) is raised when the caller asks for layer ``k``: every layer handed
+        over before it is valid, the transfer has ended and the stream ends. The peer
+        cannot free its cache under the iteration (``LLM_LINK_BUSY``, as under a
+        ``pull_blocks``).
 
         Args:
             src_cache_key, dst_cache, src_blocks, dst_blocks: as ``pull_blocks``.
@@ -324,7 +384,8 @@ class LayerwiseMixin:
                 ranges given they have the same length.
             tensor_num_per_layer: tensors per layer (K,V = 2; MLA = 1).
             timeout: seconds for the whole iteration; None = ``sync_kv_timeout``.
-            depth: layers kept in flight ahead of the caller (>= 1).
+            depth: >= 1; accepted for compatibility, changes nothing any more (the one
+                transfer never waits for the caller).
 
         Returns:
             A :class:`LayerStream` (an async iterator and async context manager).
@@ -336,7 +397,7 @@ class LayerwiseMixin:
         The iteration raises as ``pull_blocks`` does (``LLMCacheNotFoundError``,
         ``LLMParamError`` for the peer's side, ``LLMTimeoutError``, ``LLMLinkError``), each
         where the layer it hit is asked for, and ``asyncio.CancelledError`` once the
-        stream's native jobs have returned.
+        stream's native job has returned.
         """
         whole = blocks_pull_request(
             self._rt,

@@ -93,6 +93,11 @@ class Plan:
     def total_bytes(self) -> int: ...
     def segments(self) -> npt.NDArray[np.uint64]:
         """A copy of the segments as an ``(n, 5)`` uint64 array."""
+    def layer_bounds(self, first_tensor: int, tensors: int, count: int) -> list[int]:
+        """Each layer's end (a segment index; the last = the segment count) when layer
+        ``k`` writes destination tensors ``first_tensor + k * tensors`` (``tensors`` of
+        them); ``NativeError`` (PARAM_INVALID) when the segments are not cut that way
+        (out of that range, out of layer order, or a layer without a segment)."""
 
 def copy_local(
     plan: Plan,
@@ -117,6 +122,37 @@ def cma_read(
     control: Control,
     threads: int = 1,
 ) -> None: ...
+def copy_local_layered(
+    plan: Plan,
+    src_bases: Sequence[int],
+    dst_bases: Sequence[int],
+    bounds: Sequence[int],
+    control: Control,
+    threads: int,
+    efd: int,
+    lease_addr: int = 0,
+    lease_gen: int = 0,
+) -> None:
+    """``copy_local`` as one job cut into layers: layer ``k`` is the plan's segments
+    ``bounds[k-1] .. bounds[k]`` (ascending, none empty, the last = the segment count).
+    Layers land in order; once each has landed in full (and, with ``lease_addr``, the
+    lease slot there still holds ``lease_gen``: else ``Status.FAILED``), 1 is added to the
+    eventfd ``efd``. Threads and the copy kernel are chosen on the whole plan."""
+
+def cma_read_layered(
+    pid: int,
+    plan: Plan,
+    remote_src_bases: Sequence[int],
+    local_dst_bases: Sequence[int],
+    bounds: Sequence[int],
+    control: Control,
+    threads: int,
+    efd: int,
+    lease_addr: int = 0,
+    lease_gen: int = 0,
+) -> None:
+    """``cma_read`` as one job cut into layers, signalled as :func:`copy_local_layered`."""
+
 def cma_write(
     pid: int,
     plan: Plan,

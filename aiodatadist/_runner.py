@@ -41,12 +41,18 @@ if TYPE_CHECKING:
     from ._caches import CacheEntry
     from ._runtime import Runtime
     from .links import Link
+    from .transports.base import LayerCut
 
 __all__ = ["copy", "run"]
 
 
-async def run(rt: Runtime, link: Link, request: Request) -> None:
+async def run(rt: Runtime, link: Link, request: Request, cut: LayerCut | None = None) -> None:
     """Moves the bytes ``request`` names over ``link``; returns once they all landed.
+
+    ``cut`` (a pull only): the transfer is layered (``pull_blocks_layerwise``): still one
+    transfer (one slot, one hold of each cache, one deadline, counted once), moved by
+    the path's :meth:`~aiodatadist.transports.base.Path.pull_layers`, which signals each
+    layer on ``cut.fd`` as it lands.
 
     Counted once in the link's metrics (and traced when tracing is on): the data path
     that moved the bytes, how many, the time waited for the slot and in all, or the
@@ -93,6 +99,8 @@ async def run(rt: Runtime, link: Link, request: Request) -> None:
                         call = rt.call(deadline)
                         if isinstance(request, PushRequest):
                             await link.path.push(moves, local, held, call)
+                        elif cut is not None:
+                            await link.path.pull_layers(moves, held, local, call, cut)
                         else:
                             await link.path.pull(moves, held, local, call)
                         # Counted here, once: the path this transfer took, its bytes, the

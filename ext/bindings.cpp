@@ -116,6 +116,34 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("src", &Plan::src)
       .def_property_readonly("dst", &Plan::dst)
       .def_property_readonly("num_segments", [](const Plan& p) { return p.segments().size(); })
+      // Each layer's end (segment index) when layer k writes destination tensors
+      // [first + k * tensors, first + (k + 1) * tensors): the bounds of the layered movers.
+      .def(
+          "layer_bounds",
+          [](const Plan& p, uint64_t first, uint64_t tensors, uint64_t count) {
+            const auto& segs = p.segments();
+            if (tensors == 0 || count == 0) throw Error(Status::PARAM_INVALID, "layer_bounds: no layers");
+            std::vector<uint64_t> out;
+            out.reserve(count);
+            uint64_t layer = 0;
+            for (size_t i = 0; i < segs.size(); ++i) {
+              uint64_t t = segs[i].dst_tensor;
+              if (t < first || (t - first) / tensors >= count || (t - first) / tensors < layer)
+                throw Error(Status::PARAM_INVALID, "layer_bounds: the plan's segments do not cut into these layers");
+              uint64_t l = (t - first) / tensors;
+              while (layer < l) {
+                if (i == 0 || (!out.empty() && out.back() == i))
+                  throw Error(Status::PARAM_INVALID, "layer_bounds: a layer has no segment");
+                out.push_back(i);
+                ++layer;
+              }
+            }
+            if (layer + 1 != count || segs.empty())
+              throw Error(Status::PARAM_INVALID, "layer_bounds: a layer has no segment");
+            out.push_back(segs.size());
+            return out;
+          },
+          py::arg("first_tensor"), py::arg("tensors"), py::arg("count"))
       .def_property_readonly("total_bytes", &Plan::total_bytes)
       .def("segments",
            [](const Plan& p) {
@@ -158,6 +186,12 @@ PYBIND11_MODULE(_native, m) {
   m.attr("STREAM_THRESHOLD") = stream_threshold();
   m.def("cma_read", &cma_read, py::arg("pid"), py::arg("plan"), py::arg("remote_src_bases"),
         py::arg("local_dst_bases"), py::arg("control"), py::arg("threads") = 1, gil_release());
+  m.def("copy_local_layered", &copy_local_layered, py::arg("plan"), py::arg("src_bases"),
+        py::arg("dst_bases"), py::arg("bounds"), py::arg("control"), py::arg("threads"), py::arg("efd"),
+        py::arg("lease_addr") = 0, py::arg("lease_gen") = 0, gil_release());
+  m.def("cma_read_layered", &cma_read_layered, py::arg("pid"), py::arg("plan"), py::arg("remote_src_bases"),
+        py::arg("local_dst_bases"), py::arg("bounds"), py::arg("control"), py::arg("threads"), py::arg("efd"),
+        py::arg("lease_addr") = 0, py::arg("lease_gen") = 0, gil_release());
   m.def("cma_write", &cma_write, py::arg("pid"), py::arg("plan"), py::arg("local_src_bases"),
         py::arg("remote_dst_bases"), py::arg("control"), py::arg("threads") = 1, gil_release());
   m.def("sock_send", &sock_send, py::arg("fds"), py::arg("plan"), py::arg("src_bases"), py::arg("control"),

@@ -157,6 +157,17 @@ void cma_read(int pid, const Plan& plan, const std::vector<uint64_t>& remote_src
               const std::vector<uint64_t>& local_dst, Control& ctl, int threads);
 void cma_write(int pid, const Plan& plan, const std::vector<uint64_t>& local_src,
                const std::vector<uint64_t>& remote_dst, Control& ctl, int threads);
+// Layered variants: one job over the whole plan, cut into layers at the segment indices
+// `bounds` (each layer's end; the last is the plan's segment count). Layers move in order;
+// after each one has landed in full 1 is written to the eventfd `efd` (after checking that
+// the lease slot at `lease_addr`, when not 0, still holds `lease_gen`). Threads and the
+// copy kernel are chosen on the whole transfer; the threads take 1 MiB chunks in layer order.
+void copy_local_layered(const Plan& plan, const std::vector<uint64_t>& src_bases,
+                        const std::vector<uint64_t>& dst_bases, const std::vector<uint64_t>& bounds,
+                        Control& ctl, int threads, int efd, uint64_t lease_addr, uint64_t lease_gen);
+void cma_read_layered(int pid, const Plan& plan, const std::vector<uint64_t>& remote_src,
+                      const std::vector<uint64_t>& local_dst, const std::vector<uint64_t>& bounds,
+                      Control& ctl, int threads, int efd, uint64_t lease_addr, uint64_t lease_gen);
 // Returns 0 when process_vm_readv on pid works, else the errno.
 int cma_probe(int pid);
 long iov_max();

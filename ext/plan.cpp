@@ -152,17 +152,21 @@ void Plan::finish() {
   // Bounds first (on the unmerged input, so messages name what the caller sent).
   for (size_t i = 0; i < segs_.size(); ++i) {
     const Segment& s = segs_[i];
-    std::ostringstream os;
+    // The stream is built only on failure: one per segment cost ~0.4 us each, most of
+    // the planning time of a pull of a few thousand segments.
     if (s.nbytes == 0) {
+      std::ostringstream os;
       os << "segment " << i << " has 0 bytes";
       fail(Status::PARAM_INVALID, os.str());
     }
     if (s.src_tensor >= src_.num_tensors || s.src_off > st || s.nbytes > st - s.src_off) {
+      std::ostringstream os;
       os << "segment " << i << " reads outside the source (tensor " << s.src_tensor << ", offset " << s.src_off
          << ", " << s.nbytes << " bytes; source has " << src_.num_tensors << " tensors of " << st << " bytes)";
       fail(Status::OUT_OF_RANGE, os.str());
     }
     if (s.dst_tensor >= dst_.num_tensors || s.dst_off > dt || s.nbytes > dt - s.dst_off) {
+      std::ostringstream os;
       os << "segment " << i << " writes outside the destination (tensor " << s.dst_tensor << ", offset "
          << s.dst_off << ", " << s.nbytes << " bytes; destination has " << dst_.num_tensors << " tensors of "
          << dt << " bytes)";

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,13 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _native
 from .._executor import INLINE_MAX_BYTES, INLINE_YIELD_S
+from ..errors import LLMStatusCode, failure
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry, CacheTable
     from .._executor import TransferExecutor
     from ..config import DataPath
 
-__all__ = ["Call", "Path", "local_copy"]
+__all__ = ["Call", "LayerCut", "Path", "local_copy"]
 
 
 @dataclass
@@ -65,6 +67,55 @@ class Call:
         return await self.executor.run(job, deadline=self.deadline, api=self.api, inline=inline)
 
 
+@dataclass(frozen=True, slots=True)
+class LayerCut:
+    """How a layered pull (:meth:`Path.pull_layers`) is cut into layers and signalled.
+
+    Layer ``k`` is the plan's segments writing destination tensors ``first_tensor +
+    k * tensors`` to ``+ tensors`` (the plans of ``pull_blocks`` list their segments
+    tensor by tensor, so each layer is a run of consecutive segments).
+
+    Attributes:
+        fd: an eventfd; 1 is added to it once each layer has landed in full, in order.
+        first_tensor: the first destination tensor of layer 0.
+        tensors: destination tensors per layer.
+        count: the number of layers.
+    """
+
+    fd: int
+    first_tensor: int
+    tensors: int
+    count: int
+
+    def bounds(self, plan: _native.Plan) -> list[int]:
+        """Each layer's end, as an index into ``plan``'s segments (the last: their count).
+
+        Raises:
+            LLMException: LLM_FAILED, the plan's segments are not cut that way (a bug).
+        """
+        try:
+            return plan.layer_bounds(self.first_tensor, self.tensors, self.count)
+        except _native.NativeError as e:
+            raise failure(
+                LLMStatusCode.LLM_FAILED,
+                f"the plan's segments do not cut into {self.count} layers of {self.tensors} "
+                f"tensors from tensor {self.first_tensor} ({e})",
+            ) from e
+
+    def plans(self, plan: _native.Plan) -> list[_native.Plan]:
+        """``plan`` as one plan per layer, in order."""
+        segs = plan.segments()
+        out, start = [], 0
+        for end in self.bounds(plan):
+            out.append(_native.Plan.from_segments(plan.src, plan.dst, segs[start:end]))
+            start = end
+        return out
+
+    def signal(self) -> None:
+        """One more layer landed (from the loop thread; native jobs write the fd)."""
+        os.eventfd_write(self.fd, 1)
+
+
 class Path(abc.ABC):
     """The data path of one link.
 
@@ -98,6 +149,26 @@ class Path(abc.ABC):
         self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call
     ) -> None:
         """Copies the plan's bytes from ``local`` into the peer's ``remote``."""
+
+    async def pull_layers(
+        self,
+        plan: _native.Plan,
+        remote: CacheEntry,
+        local: CacheEntry,
+        call: Call,
+        cut: LayerCut,
+    ) -> None:
+        """:meth:`pull`, signalling each layer of ``cut`` once its bytes have all landed.
+
+        One transfer (the caller holds the link's slot and both caches throughout);
+        layers land in order and each is signalled on ``cut.fd``. This default pulls the
+        layers one after another (one :meth:`pull` each); the one-sided paths override
+        it with one native job over the whole plan. Returns once every layer landed;
+        raises otherwise (the layers signalled before are valid).
+        """
+        for part in cut.plans(plan):
+            await self.pull(part, remote, local, call)
+            cut.signal()
 
     async def refresh(self, deadline: float | None) -> bool:
         """Brings :attr:`remote_table` up to date; False when it always is."""

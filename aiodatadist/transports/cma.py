@@ -18,11 +18,12 @@ from .._executor import ONE_SIDED_INLINE_MAX_BYTES
 from .._leases import leased
 from ..config import DataPath
 from ..errors import LLMStatusCode, failure
-from .base import Call, Path
+from .base import Call, LayerCut, Path
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry, CacheTable
     from .._fdchannel import FdChannel
+    from .._leases import LeasePage
 
 __all__ = ["CmaPath"]
 
@@ -47,9 +48,8 @@ class CmaPath(Path):
     def remote_table(self) -> CacheTable:
         return self._table
 
-    async def _leased(
-        self, call: Call, remote: CacheEntry, job: Callable[[_native.Control], None]
-    ) -> Callable[[_native.Control], None]:
+    async def _lease(self, call: Call, remote: CacheEntry) -> tuple[LeasePage, int, int]:
+        """The peer's lease page, and the remote cache's slot and generation."""
         if self.fds is None or self.fds.closed or remote.lease is None:
             raise failure(
                 LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
@@ -57,6 +57,12 @@ class CmaPath(Path):
             )
         page = await self.fds.peer_page(call.deadline)
         slot, gen = remote.lease
+        return page, slot, gen
+
+    async def _leased(
+        self, call: Call, remote: CacheEntry, job: Callable[[_native.Control], None]
+    ) -> Callable[[_native.Control], None]:
+        page, slot, gen = await self._lease(call, remote)
         return leased(page, slot, gen, None, remote.cache_id, job)
 
     async def pull(
@@ -72,6 +78,31 @@ class CmaPath(Path):
             inline_max=ONE_SIDED_INLINE_MAX_BYTES,
             fair=True,
         )
+
+    async def pull_layers(
+        self,
+        plan: _native.Plan,
+        remote: CacheEntry,
+        local: CacheEntry,
+        call: Call,
+        cut: LayerCut,
+    ) -> None:
+        # One process_vm_readv job over the whole plan, each layer signalled on cut.fd once
+        # it landed and the lease was seen still current; never inline (see InprocPath).
+        page, slot, gen = await self._lease(call, remote)
+        job = functools.partial(
+            _native.cma_read_layered,
+            self.pid,
+            plan,
+            remote.addrs,
+            local.addrs,
+            cut.bounds(plan),
+            threads=call.mover_threads,
+            efd=cut.fd,
+            lease_addr=page.addr(slot),
+            lease_gen=gen,
+        )
+        await call.run(leased(page, slot, gen, None, remote.cache_id, job))
 
     async def push(
         self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call

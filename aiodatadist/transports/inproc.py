@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from .. import _native
 from ..config import DataPath
-from .base import Call, Path, local_copy
+from .base import Call, LayerCut, Path, local_copy
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry, CacheTable
@@ -43,3 +43,25 @@ class InprocPath(Path):
             functools.partial(local_copy, plan, local.addrs, remote.addrs, call.mover_threads),
             local_bytes=plan.total_bytes,
         )
+
+    async def pull_layers(
+        self,
+        plan: _native.Plan,
+        remote: CacheEntry,
+        local: CacheEntry,
+        call: Call,
+        cut: LayerCut,
+    ) -> None:
+        # One native job over the whole plan: threads and copy kernel chosen on the whole,
+        # each layer signalled on cut.fd from the mover threads (never inline: the loop
+        # must stay free to hand layers over while the rest moves).
+        job = functools.partial(
+            _native.copy_local_layered,
+            plan,
+            remote.addrs,
+            local.addrs,
+            cut.bounds(plan),
+            threads=call.mover_threads,
+            efd=cut.fd,
+        )
+        await call.run(job)

@@ -1,8 +1,11 @@
-"""The path of a cross-process link: picks ``shm``, ``cma`` or ``tcp`` per transfer.
+"""The path of a cross-process link: picks ``shm``, ``cma``, ``tcp`` or an engine per transfer.
 
 Automatic choice (fastest that applies): on the same host, ``shm`` when the
 peer's cache lives in shared memory, else ``cma`` when the kernel allows it,
-else ``tcp``; across hosts ``tcp``. ``aiodatadist.DataPath`` forces one.
+else ``tcp``; across hosts ``tcp``. A cache in device memory (either end) goes
+over the first engine both sides run that moves device memory (NIXL); our own
+paths never touch device memory. ``aiodatadist.DataPath`` forces one path (an
+engine too: ``nixl``, ``mooncake``).
 
 The one-sided paths (``shm``, ``cma``) need the link's fd channel (the peer's
 segments and lease page come on it) and a lease on the remote cache: without
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .. import _native
@@ -22,8 +26,9 @@ from .._fdchannel import HELLO_TIMEOUT, FdChannel, connect_channel
 from .._leases import LeaseBook
 from ..config import DataPath
 from ..errors import LLMStatusCode, failure
-from .base import Call, Path
+from .base import Call, LayerCut, Path
 from .cma import CmaPath
+from .engine import EngineAgent, EnginePath, on_device
 from .shm import ShmPath
 from .tcp import TcpPath
 
@@ -39,23 +44,33 @@ log = logging.getLogger("aiodatadist.transports.select")
 class RemotePath(Path):
     """Data paths to one peer process, with its mirrored cache table."""
 
-    def __init__(self, peer: TcpLink, forced: DataPath) -> None:
+    def __init__(
+        self, peer: TcpLink, forced: DataPath, engines: Sequence[EngineAgent] = ()
+    ) -> None:
         self.peer = peer
         self.forced = forced
         offered = set(peer.info.data_paths)
+        # Engines this side runs that the server offers (the peer's info says whether
+        # it runs them too: checked per transfer, see _engine()).
+        self.engines = {a.kind: EnginePath(a, peer) for a in engines if a.kind in offered}
+        self.engines_run = {a.kind for a in engines}  # the ones this side runs
         same_host, pid, table = peer.same_host, peer.info.pid, peer.table
         self.shm = ShmPath(pid, table) if same_host and DataPath.SHM in offered else None
         cma = CmaPath(pid, table) if same_host and DataPath.CMA in offered else None
         self.cma = cma if cma is not None and cma.allowed else None
         self.cma_refused_errno = cma.errno if cma is not None and not cma.allowed else 0
         self.tcp = TcpPath(peer) if DataPath.TCP in offered else None
+        if self.engines and same_host:
+            readable = self.cma is not None or (cma is None and _native.cma_probe(pid)[0])
+            for e in self.engines.values():
+                e.inline_ok = readable and e.agent.copies_inline_on_host
         # The link's fd channel: attached at link time (client) or once the peer has
         # connected and proved the link token (server). ``fds_settled`` is set when it
         # is attached or will not be; transfers wait for it, bounded.
         self.fds: FdChannel | None = None
         self.fds_settled = asyncio.Event()
         self._settle_by = asyncio.get_running_loop().time() + HELLO_TIMEOUT
-        if not peer.same_host or (self.shm is None and self.cma is None):
+        if not peer.same_host or (self.shm is None and self.cma is None and not self.engines):
             self.fds_settled.set()
         peer.table.on_replace = self._forget_fds
         # Transfers in pull()/push() (their native jobs have returned when they leave),
@@ -93,7 +108,7 @@ class RemotePath(Path):
             chan.close()
             return
         self.fds = chan
-        for p in (self.shm, self.cma):
+        for p in (self.shm, self.cma, *self.engines.values()):
             if p is not None:
                 p.fds = chan
         chan.start(book)
@@ -115,6 +130,7 @@ class RemotePath(Path):
 
     def _unmap_all(self) -> None:
         self._unmap_pending = False
+        self._close_engines()
         if self.shm is not None:
             self.shm.unmap()
         if self.fds is not None:
@@ -136,12 +152,22 @@ class RemotePath(Path):
     def _leased(self, remote: CacheEntry) -> bool:
         return self.fds is not None and not self.fds.closed and remote.lease is not None
 
+    def _close_engines(self) -> None:
+        # No transfer runs (the link's slot, or none left): connections can go.
+        for p in self.engines.values():
+            p.close_conn()
+
+    def _engine(self, kind: DataPath) -> EnginePath | None:
+        p = self.engines.get(kind)
+        return p if p is not None and kind.value in self.peer.info.engines else None
+
     @property
     def kinds(self) -> tuple[DataPath, ...]:  # type: ignore[override]
-        if self.forced in DataPath.remote():
+        if self.forced in DataPath.remote() or self.forced in DataPath.engines():
             return (self.forced,)
         usable = {DataPath.SHM: self.shm, DataPath.CMA: self.cma, DataPath.TCP: self.tcp}
         found = tuple(k for k, p in usable.items() if p is not None)
+        found += tuple(k for k in self.engines if self._engine(k) is not None)
         return found or (DataPath.TCP,)
 
     def table_changed(self) -> None:
@@ -151,13 +177,50 @@ class RemotePath(Path):
     def remote_table(self) -> CacheTable:
         return self.peer.table
 
-    def path_for(self, remote: CacheEntry) -> Path:
-        """The path a transfer on ``remote`` takes now (see the module's docstring).
+    def _engine_for(self, forced: DataPath, device: bool) -> Path:
+        # A forced engine, or auto with device memory at either end.
+        if forced in DataPath.engines():
+            p = self._engine(forced)
+            if p is not None:
+                return p
+            why = (
+                "this instance does not run it (aiodatadist.Engines)"
+                if forced not in self.engines_run
+                else "the peer does not run it"
+            )
+            raise failure(
+                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                f"data path '{forced}' to cluster {self.peer.info.cluster_id}: {why}",
+            )
+        for kind in DataPath.engines():
+            p = self._engine(kind)
+            if p is not None and p.agent.moves_device_memory:
+                return p
+        raise failure(
+            LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            f"a cache in device memory needs an engine that moves it (nixl) on both ends of "
+            f"the link to cluster {self.peer.info.cluster_id}",
+        )
+
+    def path_for(self, remote: CacheEntry, local: CacheEntry | None = None) -> Path:
+        """The path a transfer on ``remote`` (and ``local``) takes now (see the module's
+        docstring).
 
         Raises:
-            LLMException: LLM_FEATURE_NOT_ENABLED, no path applies (says why).
+            LLMException: LLM_FEATURE_NOT_ENABLED, no path applies (says why);
+                LLM_PARAM_INVALID, device memory on a path of ours.
         """
         forced = self.forced
+        device = on_device(remote) is not None or (
+            local is not None and on_device(local) is not None
+        )
+        if forced in DataPath.engines() or (device and forced == DataPath.AUTO):
+            return self._engine_for(forced, device)
+        if device:
+            raise failure(
+                LLMStatusCode.LLM_PARAM_INVALID,
+                f"data path '{forced}' cannot move device memory (use auto or nixl)",
+            )
         leased = self._leased(remote)
         shm = self.shm if self.shm is not None and ShmPath.applies(remote) and leased else None
         cma = self.cma if leased else None
@@ -213,9 +276,23 @@ class RemotePath(Path):
         try:
             await self._settle(call.deadline)
             self._unmap_freed()
-            path = self.path_for(remote)
+            path = self.path_for(remote, local)
             self.used = path.kinds[0]  # serialized by the link's slot: read by the runner
             await path.pull(plan, remote, local, call)
+        finally:
+            self._done()
+
+    async def pull_layers(
+        self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call, cut: LayerCut
+    ) -> None:
+        # As pull(): the path chosen for this transfer moves it, layer by layer.
+        self._running += 1
+        try:
+            await self._settle(call.deadline)
+            self._unmap_freed()
+            path = self.path_for(remote, local)
+            self.used = path.kinds[0]
+            await path.pull_layers(plan, remote, local, call, cut)
         finally:
             self._done()
 
@@ -226,7 +303,7 @@ class RemotePath(Path):
         try:
             await self._settle(call.deadline)
             self._unmap_freed()
-            path = self.path_for(remote)
+            path = self.path_for(remote, local)
             self.used = path.kinds[0]  # serialized by the link's slot: read by the runner
             await path.push(plan, local, remote, call)
         finally:
@@ -237,6 +314,7 @@ class RemotePath(Path):
         return True
 
     async def close(self) -> None:
+        self._close_engines()
         if self.shm is not None:
             self.shm.unmap()
         self.fds_settled.set()

@@ -18,7 +18,7 @@ from .._executor import ONE_SIDED_INLINE_MAX_BYTES
 from .._leases import leased
 from ..config import DataPath
 from ..errors import LLMStatusCode, failure, from_native
-from .base import Call, Path
+from .base import Call, LayerCut, Path
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry, CacheTable
@@ -105,7 +105,13 @@ class ShmPath(Path):
         return seg
 
     async def _job(
-        self, call: Call, remote: CacheEntry, writable: bool, plan: _native.Plan, local: CacheEntry
+        self,
+        call: Call,
+        remote: CacheEntry,
+        writable: bool,
+        plan: _native.Plan,
+        local: CacheEntry,
+        cut: LayerCut | None = None,
     ) -> Any:
         fds = self._channel()
         page = await fds.peer_page(call.deadline)
@@ -114,7 +120,23 @@ class ShmPath(Path):
         src, dst = (local.addrs, addrs) if writable else (addrs, local.addrs)
         assert remote.lease is not None  # RemotePath.path_for checks it
         slot, gen = remote.lease
-        copy = functools.partial(_copy, seg, plan, src, dst, call.mover_threads)
+        copy: Any
+        if cut is None:
+            copy = functools.partial(_copy, seg, plan, src, dst, call.mover_threads)
+        else:
+            # Each layer is signalled only once the lease is seen still current after it.
+            lease = (page.addr(slot), gen)
+            copy = functools.partial(
+                _copy_layered,
+                seg,
+                plan,
+                src,
+                dst,
+                cut.bounds(plan),
+                call.mover_threads,
+                cut.fd,
+                lease,
+            )
         return leased(page, slot, gen, None, remote.cache_id, copy)
 
     async def pull(
@@ -129,12 +151,27 @@ class ShmPath(Path):
         job = await self._job(call, remote, True, plan, local)
         await self._run(call, job, plan)
 
-    async def _run(self, call: Call, job: Any, plan: _native.Plan) -> None:
+    async def pull_layers(
+        self,
+        plan: _native.Plan,
+        remote: CacheEntry,
+        local: CacheEntry,
+        call: Call,
+        cut: LayerCut,
+    ) -> None:
+        job = await self._job(call, remote, False, plan, local, cut)
+        await self._run(call, job, plan, inline=False)
+
+    async def _run(self, call: Call, job: Any, plan: _native.Plan, inline: bool = True) -> None:
         self._busy += 1
         try:
-            # Returns (even when cancelled) only once the native copy has.
+            # Returns (even when cancelled) only once the native copy has. A layered job
+            # never runs inline: the loop hands its layers over while it moves the rest.
             await call.run(
-                job, local_bytes=plan.total_bytes, inline_max=ONE_SIDED_INLINE_MAX_BYTES, fair=True
+                job,
+                local_bytes=plan.total_bytes if inline else -1,
+                inline_max=ONE_SIDED_INLINE_MAX_BYTES,
+                fair=True,
             )
         finally:
             self._busy -= 1
@@ -180,3 +217,20 @@ def _copy(
     # ``seg`` rides along so the mapping outlives the job whatever happens to the path.
     del seg
     _native.copy_local(plan, src, dst, control, threads)
+
+
+def _copy_layered(
+    seg: _native.ShmSegment,
+    plan: _native.Plan,
+    src: list[int],
+    dst: list[int],
+    bounds: list[int],
+    threads: int,
+    efd: int,
+    lease: tuple[int, int],
+    control: _native.Control,
+) -> None:
+    del seg  # as _copy: keeps the mapping alive for the job
+    _native.copy_local_layered(
+        plan, src, dst, bounds, control, threads, efd, lease_addr=lease[0], lease_gen=lease[1]
+    )

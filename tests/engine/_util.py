@@ -17,7 +17,7 @@ import numpy as np
 from aiodatadist import DataType, LLMDataDist, _native
 from aiodatadist.testing import FilledCache, as_matrix, make_blocks_cache
 from aiodatadist.testing import reference_pull as model_pull
-from aiodatadist.transports.base import Call
+from aiodatadist.transports.base import Call, Path
 from aiodatadist.transports.inproc import InprocPath
 
 MIB = 1 << 20
@@ -237,6 +237,7 @@ class TracedChannel(InprocPath):
         self.gate: asyncio.Event | None = None
         self.job_gate: threading.Event | None = None
         self.hold_until_abort: bool | Callable[[str], bool] = False
+        self.layered_job = False  # pull_layers: the real one native job (else one per layer)
         self.inside = asyncio.Event()  # set while a transfer is inside (after enter)
         self.jobs_started = 0
         self.jobs_returned = 0
@@ -296,6 +297,19 @@ class TracedChannel(InprocPath):
 
     async def pull(self, plan: Any, remote: Any, local: Any, call: Call) -> None:
         await self._traced("pull", self.inner.pull, remote, local, call, plan)
+
+    async def pull_layers(self, plan: Any, remote: Any, local: Any, call: Call, cut: Any) -> None:
+        """A layered pull: one traced ``pull`` per layer (the default ``Path.pull_layers``,
+        which tcp and the engines use), so each layer's job can be held; with
+        ``layered_job`` set, the real path's one native job, traced as one transfer."""
+        if not self.layered_job:
+            await Path.pull_layers(self, plan, remote, local, call, cut)
+            return
+
+        async def one(p: Any, r: Any, lo: Any, c: Call) -> None:
+            await self.inner.pull_layers(p, r, lo, c, cut)
+
+        await self._traced("pull", one, remote, local, call, plan)
 
     async def push(self, plan: Any, local: Any, remote: Any, call: Call) -> None:
         await self._traced("push", self.inner.push, local, remote, call, plan)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -26,7 +27,14 @@ from aiodatadist import (
 )
 from aiodatadist._cm_layerwise import LayerPulled, LayerStream
 from aiodatadist.testing import Pair, fill_pattern, pattern_mismatches
-from tests.engine._util import BOUND_S, blocks_of, executor_of, instrument, link_of
+from tests.engine._util import (
+    BOUND_S,
+    blocks_of,
+    executor_of,
+    instrument,
+    link_of,
+    wait_until,
+)
 
 pytestmark = pytest.mark.asyncio
 
@@ -78,9 +86,7 @@ async def test_each_layer_exact_when_yielded(pair: Pair, t: int, depth: int) -> 
     ) as layers:
         assert isinstance(layers, LayerStream) and len(layers) == n_layers
         async for layer in layers:
-            _layer_ok(dst, seed, t, layer, sb, db)
-            # Started at most `depth` layers ahead: everything beyond is untouched still.
-            assert _untouched(dst, range((layer.index + depth + 1) * t, 8))
+            _layer_ok(dst, seed, t, layer, sb, db)  # depth is accepted, and changes nothing
             got.append(layer)
     assert got == [
         LayerPulled(k, k, k, len(db) * t * src.cache.cache_desc.size // NB) for k in range(n_layers)
@@ -330,39 +336,47 @@ async def test_layers_landed_before_the_deadline_are_still_handed_over(pair: Pai
 
 async def test_error_in_layer_k_surfaces_there(pair: Pair) -> None:
     src, dst, seed = _caches(pair)
+    channel = instrument(pair.decoder, 1)  # the default pull_layers: one job per layer
+    _hold_after(channel, 2)  # layers 0 and 1 land; layer 2's job waits for its abort
     stream = pair.decoder.cache_manager.pull_blocks_layerwise(
-        pair.key(), dst.cache, [6], [6], depth=1
+        pair.key(), dst.cache, [6], [6], timeout=0.5
     )
-    first = await stream.__anext__()
-    _layer_ok(dst, seed, 2, first, [6], [6])
-    # Layer 1's task has not run yet (no await since): the peer drops its cache now.
-    pair.prompt.cache_manager.unregister_cache(src.cache.cache_id)
-    with pytest.raises(LLMException) as info:
+    got = [await stream.__anext__(), await stream.__anext__()]
+    for layer in got:
+        _layer_ok(dst, seed, 2, layer, [6], [6])
+    # The iteration is one transfer: it holds the peer's cache until it ends.
+    with pytest.raises(LLMException) as busy:
+        pair.prompt.cache_manager.unregister_cache(src.cache.cache_id)
+    assert busy.value.status_code == LLMStatusCode.LLM_LINK_BUSY
+    with pytest.raises(LLMTimeoutError) as info:
         await stream.__anext__()
-    assert info.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
     assert "pull_blocks_layerwise" in str(info.value)
     with pytest.raises(StopAsyncIteration):
         await stream.__anext__()
-    _layer_ok(dst, seed, 2, first, [6], [6])  # the layer handed over stays valid
+    for layer in got:
+        _layer_ok(dst, seed, 2, layer, [6], [6])  # the layers handed over stay valid
+    assert _untouched(dst, range(4, 8))
     await _link_free(pair)
+    assert channel.jobs_started == channel.jobs_returned == 3
+    channel.hold_until_abort = False
+    pair.prompt.cache_manager.unregister_cache(src.cache.cache_id)  # free now
     await _later_pull_works(pair, dst)
 
 
-async def test_unlink_mid_iteration(pair: Pair) -> None:
+async def test_unlink_after_the_first_layer(pair: Pair) -> None:
     _src, dst, seed = _caches(pair)
-    stream = pair.decoder.cache_manager.pull_blocks_layerwise(
-        pair.key(), dst.cache, [6], [6], depth=1
-    )
-    await stream.__anext__()
+    cm = pair.decoder.cache_manager
+    stream = cm.pull_blocks_layerwise(pair.key(), dst.cache, [6], [6], depth=1)
+    first = await stream.__anext__()
     await pair.decoder.unlink_clusters([_info(pair)], force=True)
-    # Layer 1 was queued on the link before the unlink (FIFO): it landed. Layer 2 was not.
-    second = await stream.__anext__()
-    _layer_ok(dst, seed, 2, second, [6], [6])
+    # The iteration's one transfer held the link's slot before the unlink (FIFO): every
+    # layer lands.
+    rest = [layer async for layer in stream]
+    assert [la.index for la in [first, *rest]] == [0, 1, 2, 3]
+    assert not pattern_mismatches(dst.tensors, [6], [6], seed)
     with pytest.raises(LLMException) as info:
-        await stream.__anext__()
+        cm.pull_blocks_layerwise(pair.key(), dst.cache, [6], [6])
     assert info.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK
-    with pytest.raises(StopAsyncIteration):
-        await stream.__anext__()
 
 
 def _info(pair: Pair):
@@ -421,22 +435,25 @@ async def test_argument_errors_at_the_call(pair: Pair) -> None:
     assert _untouched(dst, range(6))
 
 
-async def test_other_transfers_interleave_between_layers(pair: Pair) -> None:
+async def test_one_transfer_holds_the_link_for_the_iteration(pair: Pair) -> None:
     _src, dst, seed = _caches(pair)
     other = pair.decoder_cache(num_tensors=8, num_blocks=NB, block_shape=BLOCK)
     channel = instrument(pair.decoder, 1)
     stream = pair.decoder.cache_manager.pull_blocks_layerwise(
         pair.key(), dst.cache, [4], [4], depth=1
     )
-    await stream.__anext__()  # layer 1 is queued now
+    await stream.__anext__()
     side = asyncio.create_task(
         pair.decoder.cache_manager.pull_blocks(pair.key(), other.cache, [5], [5]), name="side"
     )
     rest = [layer.index async for layer in stream]
     await side
     assert rest == [1, 2, 3]
+    # Upstream's one transfer per link at a time holds for the whole iteration: the
+    # side pull ran after every layer (4 layer pulls of one task, in one slot hold).
     entered = channel.tracker.entered()
-    assert "pull:side" in entered and entered.index("pull:side") < len(entered) - 1
+    assert len(entered) == 5 and entered[-1] == "pull:side", entered
+    assert len(set(entered[:4])) == 1 and entered[0] != "pull:side"
     assert not pattern_mismatches(dst.tensors, [4], [4], seed)
     assert not pattern_mismatches(other.tensors, [5], [5], seed)
 
@@ -463,3 +480,114 @@ async def test_iterated_from_another_threads_loop(pair: Pair) -> None:
     assert got == list(range(6))
     await _link_free(pair)
     await _later_pull_works(pair, dst)
+
+
+# ------------------------------------------------------ one transfer, one eventfd
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_the_iteration_is_one_native_job(pair: Pair) -> None:
+    _src, dst, seed = _caches(pair)
+    channel = instrument(pair.decoder, 1)
+    channel.layered_job = True  # the real path's pull_layers, traced as one transfer
+    m = link_of(pair.decoder, 1).metrics
+    started = m.started
+    got = [
+        layer.index
+        async for layer in pair.decoder.cache_manager.pull_blocks_layerwise(
+            pair.key(), dst.cache, [7, 0, 3], [1, 6, 2], tensor_num_per_layer=1, depth=1
+        )
+    ]
+    assert got == list(range(8))
+    assert channel.jobs_started == channel.jobs_returned == 1
+    assert len(channel.tracker.entered()) == 1
+    assert m.started == started + 1  # counted once in the link's metrics
+    assert not pattern_mismatches(dst.tensors, [7, 0, 3], [1, 6, 2], seed)
+
+
+async def test_cancel_while_the_native_job_runs(pair: Pair) -> None:
+    _src, dst, _seed = _caches(pair)
+    channel = instrument(pair.decoder, 1)
+    channel.layered_job = True
+    channel.hold_until_abort = True  # the one job runs until it is aborted
+    base = _fds()
+
+    async def consume() -> None:
+        async for _ in pair.decoder.cache_manager.pull_blocks_layerwise(
+            pair.key(), dst.cache, [1], [1], timeout=60
+        ):
+            raise AssertionError("no layer lands while the job is held")
+
+    task = asyncio.create_task(consume())
+    await wait_until(lambda: channel.jobs_started >= 1, what="the job on its worker thread")
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert loop.time() - start < BOUND_S
+    await _link_free(pair)  # the CancelledError came once the native job had returned
+    assert channel.jobs_started == channel.jobs_returned == 1
+    assert _fds() == base
+    channel.hold_until_abort = False
+    await _later_pull_works(pair, dst)
+
+
+async def test_eventfd_closed_after_every_outcome(pair: Pair) -> None:
+    _src, dst, seed = _caches(pair)
+    cm = pair.decoder.cache_manager
+    key = pair.key()
+    await _no_layer_left(pair, dst, [0], [0])  # anything made once per process is made
+    base = _fds()
+    # Every layer handed over.
+    assert len(await _no_layer_left(pair, dst, [2, 3], [3, 2])) == 4
+    assert _fds() == base
+    assert not pattern_mismatches(dst.tensors, [2, 3], [3, 2], seed)
+    # Left after the first layer (async with), and closed before the first (aclose).
+    async with cm.pull_blocks_layerwise(key, dst.cache, [1], [1]) as layers:
+        async for _ in layers:
+            break
+    assert _fds() == base
+    stream = cm.pull_blocks_layerwise(key, dst.cache, [1], [1])
+    await stream.aclose()
+    assert _fds() == base
+    # The peer's side refused before a byte moves.
+    with pytest.raises(LLMException):
+        await cm.pull_blocks_layerwise(
+            BlocksCacheKey(pair.prompt.cluster_id, 9), dst.cache, [0], [0]
+        ).__anext__()
+    assert _fds() == base
+    # A deadline in layer 1, and a cancel after the first layer (one job per layer, held).
+    channel = instrument(pair.decoder, 1)
+    _hold_after(channel, 1)
+    with pytest.raises(LLMTimeoutError):
+        async for _ in cm.pull_blocks_layerwise(key, dst.cache, [4], [4], timeout=0.2):
+            pass
+    assert _fds() == base
+
+    async def consume() -> None:
+        async for _ in cm.pull_blocks_layerwise(key, dst.cache, [4], [4], timeout=60):
+            pass
+
+    _hold_after(channel, 1)
+    task = asyncio.create_task(consume())
+    await wait_until(lambda: channel.jobs_started >= 2, what="layer 1's job on its thread")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert _fds() == base
+    # A plain async for left by break: the stream is dropped, its transfer aborted and
+    # its eventfd closed once the transfer has ended.
+    _hold_after(channel, 1)
+    async for layer in cm.pull_blocks_layerwise(key, dst.cache, [5], [5], timeout=60):
+        assert layer.index == 0
+        break
+    loop = asyncio.get_running_loop()
+    end = loop.time() + BOUND_S
+    while _fds() != base or executor_of(pair.decoder).in_flight:
+        assert loop.time() < end, "the dropped stream's eventfd stayed open"
+        await asyncio.sleep(0.001)
+    await _link_free(pair)

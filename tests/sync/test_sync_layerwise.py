@@ -66,11 +66,13 @@ def test_errors_at_the_call_and_at_the_step(pair: SyncPair) -> None:
         cm.pull_blocks_layerwise(pair.key(), "cache", [0], [0])
     it = cm.pull_blocks_layerwise(pair.key(), dst.cache, [3], [3], depth=1)
     _layer_ok(dst, 4103, next(it), [3], [3])
-    # Layer 1 is queued on the link ahead of the unlink (FIFO) and lands; layer 2 starts
-    # only once layer 1 is handed over, after the unlink: its step raises.
+    # The iteration is one transfer, on the link's slot ahead of the unlink (FIFO): every
+    # layer lands; a call after the unlink raises at the call.
     pair.decoder.unlink_clusters([cluster_info(pair.prompt.cluster_id)], force=True)
-    _layer_ok(dst, 4103, next(it), [3], [3])
+    rest = list(it)
+    assert len(rest) == 3
+    for layer in rest:
+        _layer_ok(dst, 4103, layer, [3], [3])
     with pytest.raises(sd.LLMException) as info:
-        next(it)
+        cm.pull_blocks_layerwise(pair.key(), dst.cache, [3], [3])
     assert info.value.status_code == sd.LLMStatusCode.LLM_NOT_YET_LINK
-    assert list(it) == []

@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import numpy as np
 import pytest
 
-from aiodatadist import LLMException
+from aiodatadist import BlocksCacheKey, LLMException, LLMStatusCode
 from aiodatadist.testing import PromptSpec, RemotePair, remote_pair
+from tests.xproc import xproc_common as xc
+from tests.xproc.xproc_harness import Harness, decoder_options, link
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]  # peer processes
 
@@ -62,7 +65,6 @@ async def test_layers_exact_when_yielded(path: str, t: int) -> None:
         ) as layers:
             async for layer in layers:
                 assert _layer_bad(pair, dst, layer, sb, db, t) == [], layer
-                assert _untouched(dst, range((layer.index + 3) * t, 8))
                 n += 1
         assert n == 8 // t
         # Layer ranges with a destination offset.
@@ -137,19 +139,97 @@ async def test_break_and_cancel_leave_the_link_usable(path: str) -> None:
 
 @pytest.mark.parametrize("path", ["cma", "tcp"])
 async def test_prompt_killed_mid_iteration(path: str) -> None:
-    async with remote_pair(_spec(path), data_path=path) as pair:
+    # The iteration is one transfer, big enough to be still moving when the prompt dies
+    # (1 GiB over cma, 256 MiB over tcp; one mover thread), 8 layers of one tensor each.
+    # tcp (a request per layer) is killed once layer 0 was handed over; cma (one native
+    # job) once that job runs, so the kill lands mid-job however late the loop wakes.
+    block = (8 << 20,) if path == "cma" else (2 << 20,)
+    spec = _spec(path, num_tensors=8, block_shape=block, dtype="uint8")
+    async with remote_pair(spec, data_path=path, options={"aiodatadist.MoverThreads": "1"}) as pair:
         await _skip_unless(pair, path)
         dst = pair.decoder_cache()
-        sb = db = [1, 2, 3]
-        stream = pair.decoder.cache_manager.pull_blocks_layerwise(
-            pair.key(), dst.cache, sb, db, tensor_num_per_layer=1, depth=1, timeout=20
-        )
-        first = await stream.__anext__()
-        assert _layer_bad(pair, dst, first, sb, db, 1) == []
+        sb = db = list(range(16))
+        got: list[int] = []
+
+        async def consume() -> None:
+            async for layer in pair.decoder.cache_manager.pull_blocks_layerwise(
+                pair.key(), dst.cache, sb, db, tensor_num_per_layer=1, depth=1, timeout=60
+            ):
+                # A layer handed over is whole, whatever happens later.
+                assert _layer_bad(pair, dst, layer, sb, db, 1) == []
+                got.append(layer.index)
+
+        task = asyncio.create_task(consume())
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 30
+        while not (got if path == "tcp" else pair.decoder._rt.executor.in_flight):
+            assert not task.done() and loop.time() < end
+            await asyncio.sleep(0.0005)
         pair.prompt.kill()
         await pair.prompt.wait_exit(10)
         with pytest.raises(LLMException):
-            async for layer in stream:
-                # A layer handed over is whole, whatever happens later.
-                assert _layer_bad(pair, dst, layer, sb, db, 1) == []
-        assert _layer_bad(pair, dst, first, sb, db, 1) == []
+            await task
+        assert len(got) < 8
+        for k in got:
+            assert pair.mismatches(dst, sb, db, [(k, k)]) == []
+
+
+@pytest.mark.parametrize("path", ["shm", "cma"])
+async def test_peer_frees_its_cache_mid_iteration(path: str) -> None:
+    # The prompt frees its cache while the iteration's one job copies it under the lease.
+    # The free revokes the lease and waits for the job, which sees the revoke after its
+    # current layer and fails there: the layers handed over before are exact, no layer
+    # holding freed bytes is ever handed over; or the free gives up (LLM_LINK_BUSY) and
+    # every layer lands exact.
+    prompt_id, decoder_id, model, nblk, freed_fill = 71, 72, 7, 4096, 0xEE
+    allocate = path == "shm"
+    spec = xc.Spec("large", True, allocate, (nblk, *xc.BLOCK_SHAPE), model_id=model)
+    async with Harness() as h:
+        prompt = await h.peer(cluster_id=prompt_id, data_path=path, seed=5, sync_ms=5000)
+        opts = decoder_options(
+            path, **{"llm.SyncKvCacheWaitTime": "8000", "aiodatadist.MoverThreads": "1"}
+        )
+        dd, _ = await h.local(decoder_id, opts)
+        await link(dd, prompt, prompt_id)
+        dst_spec = xc.Spec("dst", True, True, (nblk, *xc.BLOCK_SHAPE), model_id=41)
+        dst = xc.make_cache(dd, dst_spec, None, decoder_id)
+        seed = next(_seeds)
+        await prompt.ok(
+            "register", name="large", model_id=model, seed=seed, allocate=allocate,
+            num_blocks=nblk,
+        )  # fmt: skip
+        ref = xc.pattern(seed, spec)
+        blocks = list(range(nblk))
+        got: list[int] = []
+        bad: list[int] = []
+
+        async def consume() -> None:
+            async for layer in dd.cache_manager.pull_blocks_layerwise(
+                BlocksCacheKey(prompt_id, model), dst.cache, blocks, blocks,
+                tensor_num_per_layer=1, timeout=30,
+            ):  # fmt: skip
+                k = layer.dst_layer
+                if not np.array_equal(dst.matrix()[k], ref[k]):
+                    bad.append(k)
+                got.append(k)
+
+        task = asyncio.create_task(consume())
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 30
+        while not dd._rt.executor.in_flight and not task.done():  # the one job runs
+            assert loop.time() < end
+            await asyncio.sleep(0.0005)
+        freed = await prompt.call("free", name="large", fill=freed_fill, timeout=30)
+        try:
+            await asyncio.wait_for(task, 30)
+        except LLMException as e:
+            assert e.status_code in (LLMStatusCode.LLM_FAILED, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+            assert len(got) < xc.NUM_TENSORS
+        else:
+            assert got == list(range(xc.NUM_TENSORS))  # the job ended before the revoke
+        finally:
+            if not freed.get("ok"):
+                assert freed.get("status") == LLMStatusCode.LLM_LINK_BUSY, freed
+        assert bad == [], f"layers {bad} were handed over with bytes that are not the source's"
+        for k in got:
+            assert np.array_equal(dst.matrix()[k], ref[k])
