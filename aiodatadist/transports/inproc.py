@@ -6,6 +6,7 @@ import functools
 from typing import TYPE_CHECKING
 
 from .. import _native
+from .._caches import require_host_memory
 from ..config import DataPath
 from .base import Call, LayerCut, Path, local_copy
 
@@ -31,6 +32,7 @@ class InprocPath(Path):
     async def pull(
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
     ) -> None:
+        require_host_memory("inproc", remote, local)  # (device memory: engines only)
         await call.run(
             functools.partial(local_copy, plan, remote.addrs, local.addrs, call.mover_threads),
             local_bytes=plan.total_bytes,
@@ -39,6 +41,7 @@ class InprocPath(Path):
     async def push(
         self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call
     ) -> None:
+        require_host_memory("inproc", local, remote)
         await call.run(
             functools.partial(local_copy, plan, local.addrs, remote.addrs, call.mover_threads),
             local_bytes=plan.total_bytes,
@@ -52,6 +55,7 @@ class InprocPath(Path):
         call: Call,
         cut: LayerCut,
     ) -> None:
+        require_host_memory("inproc", remote, local)
         # One native job over the whole plan: threads and copy kernel chosen on the whole,
         # each layer signalled on cut.fd from the mover threads (never inline: the loop
         # must stay free to hand layers over while the rest moves).

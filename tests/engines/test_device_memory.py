@@ -206,3 +206,23 @@ async def test_device_caches_route_only_to_an_engine_that_moves_them(
         with pytest.raises(LLMException) as e2:
             await pair.decoder.cache_manager.pull_blocks(key, dst.cache, [1], [1])
         assert _status(e2) == outcome
+
+
+async def test_an_inproc_link_refuses_device_caches_at_either_end() -> None:
+    async with inproc_pair() as pair:
+        src = make_blocks_cache(pair.prompt, model_id=6, num_blocks=4, seed=13)
+        dst = make_blocks_cache(pair.decoder, num_blocks=4)
+        key = BlocksCacheKey(pair.prompt.cluster_id, 6)
+        for entry in (
+            pair.prompt.cache_manager._caches.entries[src.cache.cache_id],
+            pair.decoder.cache_manager._caches.entries[dst.cache.cache_id],
+        ):
+            for t in dst.tensors:
+                t[...] = 0x33
+            entry.device_id = 0  # (a device cache: see the module docstring)
+            with pytest.raises(LLMException, match="in device memory") as e:
+                await pair.decoder.cache_manager.pull_blocks(key, dst.cache, [0, 1], [0, 1])
+            assert _status(e) == LLMStatusCode.LLM_PARAM_INVALID
+            entry.device_id = None
+            assert all(bool((t == 0x33).all()) for t in dst.tensors)  # nothing moved
+        await pair.decoder.cache_manager.pull_blocks(key, dst.cache, [0], [0])
