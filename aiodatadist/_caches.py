@@ -59,6 +59,9 @@ class CacheEntry:
     buffers: list[Any] | None = None
     segment: _native.ShmSegment | None = None
     freed: bool = False
+    # Aborted engine requests that may still write into this cache (transports/nixl.py):
+    # while any is out the cache is held and takes no transfer that writes into it.
+    late_writes: int = 0
     _busy: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -112,6 +115,33 @@ class CacheEntry:
     def release(self) -> None:
         with self._lock:
             self._busy -= 1
+
+    def fence(self) -> None:
+        """An aborted transfer may still write into this cache: hold it (no free) and
+        refuse writes into it (:meth:`check_no_late_writes`) until :meth:`unfence`."""
+        with self._lock:
+            self._busy += 1
+            self.late_writes += 1
+
+    def unfence(self) -> None:
+        with self._lock:
+            self._busy -= 1
+            self.late_writes -= 1
+
+    def check_no_late_writes(self, api: str | None = None) -> None:
+        """Refuses a write into this cache while an aborted transfer may still land in it.
+
+        Raises:
+            LLMLinkError: LLM_LINK_BUSY.
+        """
+        if self.late_writes:
+            raise failure(
+                LLMStatusCode.LLM_LINK_BUSY,
+                f"cache {self.cache_id}: a cancelled or timed-out engine transfer into it is "
+                "still in flight (its peer has not finished it) and could overwrite what "
+                "lands now; it takes transfers again once that one ends",
+                api=api,
+            )
 
     def mark_freed(self) -> None:
         """Marks the entry unusable; refuses while transfers still use it.

@@ -90,6 +90,8 @@ async def run(rt: Runtime, link: Link, request: Request, cut: LayerCut | None = 
         async with link.exclusive(deadline):
             if link.path.remote_table.version != version:  # the peer re-registered meanwhile
                 remote, moves = plan(request, link.path.remote_table)
+            if not isinstance(request, PushRequest):
+                local.check_no_late_writes()  # (an aborted engine pull may still land)
             local.hold()
             try:
                 for retry in (False, True):
@@ -154,6 +156,8 @@ async def copy(rt: Runtime, request: CopyRequest | LocalCopyRequest) -> None:
     m.started += 1
     start = perf_counter()
     try:
+        for entry in holds:
+            entry.check_no_late_writes()
         for entry in holds:
             entry.hold()
             held.append(entry)

@@ -20,12 +20,16 @@ What NIXL 1.5.1 does here (checked on this host: UCX over CMA, two processes):
   The check is the initiator's, against metadata the peer sent: memory the peer
   deregistered after its last update is still read without error (UCX keeps the
   mapping). Hence leases: we read a peer's cache only under its lease.
-* ``release_xfer_handle`` on a request in flight asks the backend to cancel it;
-  NIXL documents that when it cannot cancel it raises and keeps the handle. A release
-  that returned means "the engine no longer touches local memory for it"; one that
-  raised means "not cancellable": we then keep polling until the request leaves
-  ``PROC`` (bounded by UCX's own timeouts) before returning. Seen here: a release of
-  a READ in ``PROC`` returned, and no byte landed afterwards (``tests/engines``).
+* Nothing cancels a request on the wire: over UCX's tcp transport (two network
+  namespaces, the peer stopped mid-transfer) a request's bytes still landed after
+  ``release_xfer_handle`` returned, and after ``remove_remote_agent`` too. So an abort
+  with a request in flight returns at once (the call keeps its deadline) and hands the
+  request to a reaper thread that polls it (backoff up to 10 ms) until it ends, then
+  releases it. Until then the local cache is *fenced* (``CacheEntry.late_writes``): it
+  stays held (free and re-registration refuse with ``LLM_LINK_BUSY``) and every transfer
+  or copy that would write into it refuses with ``LLM_LINK_BUSY``, so no later success
+  can be overwritten by the aborted transfer's bytes. Only the blocks the aborted call
+  named are undefined, as the API says.
 * UCX over CMA moves a request *inside* ``postXferReq`` (256 MiB: ~100 ms in the post
   call, nothing to abort). A transfer is therefore cut into requests of
   :data:`CHUNK_BYTES`; the abort (deadline, cancel) is checked between them, so it
@@ -44,6 +48,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +71,34 @@ CHUNK_BYTES = 8 * 1024 * 1024
 UCX_MODULES_DEFAULT = "^efa"
 """``UCX_MODULES`` when unset: every UCX module but EFA (see ``NixlAgent.__init__``)."""
 """Bytes per NIXL request of one transfer (an abort waits for at most one)."""
+
+
+def _reap(nx: Any, h: Any, local: CacheEntry, op: str) -> None:
+    """Waits (on a thread of its own) for an aborted request still in flight to end, with
+    ``local`` fenced meanwhile (see the module docstring)."""
+    local.fence()
+
+    def wait() -> None:
+        delay = 1e-4
+        try:
+            while True:
+                try:
+                    state = nx.check_xfer_state(h)
+                except Exception:
+                    break  # the agent or the peer is gone: the request is over
+                if state != "PROC":
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 1e-2)
+            try:
+                nx.release_xfer_handle(h)
+            except Exception:
+                pass
+        finally:
+            local.unfence()
+            log.debug("NIXL: aborted %s over; cache %d takes transfers again", op, local.cache_id)
+
+    threading.Thread(target=wait, name="aiodatadist-nixl-reaper", daemon=True).start()
 
 
 def _chunks(op: str, segs: Any, local: CacheEntry, remote: CacheEntry) -> list[tuple[Any, Any]]:
@@ -158,6 +191,9 @@ class NixlAgent(EngineAgent):
         self.mems = self.nx.nixl_mems
         self._regs: dict[int, Any] = {}
         self._conns: set[NixlConn] = set()
+        # The remote agents this agent knows, by name, and the one connection each belongs
+        # to: a link may neither claim another link's agent nor remove it when it closes.
+        self.owners: dict[str, NixlConn] = {}
         self._lock = threading.Lock()
 
     def info(self) -> dict[str, Any]:
@@ -209,20 +245,50 @@ class NixlConn(EngineConn):
         self.agent = agent
         self.nx = agent.nx
         self._md = ""
-        self.remote_name: Any = None
+        self._name = str(peer_info["name"])
+        self.remote_name: str | None = None
         self._reqs: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._lock = threading.Lock()
         self.update(peer_info)
 
     def update(self, peer_info: dict[str, Any]) -> None:
         md = str(peer_info["md"])
-        if md == self._md:
+        if md == self._md and self.remote_name is not None:
             return
         self._drop(lambda _key: True)
+        name = str(peer_info["name"])
         with self.agent._lock:
+            owner = self.agent.owners.get(name)
+            if owner is not None and owner is not self:
+                # Another link's agent (a peer replaying someone else's metadata): adding it
+                # would let this link read that peer's memory outside its leases, and
+                # removing it when this link ends would break the other link.
+                raise failure(
+                    LLMStatusCode.LLM_LINK_FAILED,
+                    f"NIXL agent {name!r} is the agent of another link: refused",
+                )
             # Newer metadata of a known agent replaces the old (checked: see the docstring).
-            self.remote_name = self.nx.add_remote_agent(bytes.fromhex(md))
+            added: Any = self.nx.add_remote_agent(bytes.fromhex(md))  # bytes, in 1.5.1
+            got = added.decode() if isinstance(added, bytes) else str(added)
+            if got != name:
+                if got not in self.agent.owners:
+                    self._forget_agent(got)
+                raise failure(
+                    LLMStatusCode.LLM_LINK_FAILED,
+                    f"NIXL metadata names agent {got!r}, the peer said {name!r}: refused",
+                )
+            self.agent.owners[name] = self
+        self.remote_name = self._name = name
         self._md = md
+
+    def _forget_agent(self, name: str) -> None:
+        # (agent lock held)
+        try:
+            self.nx.remove_remote_agent(name)
+        except Exception:
+            pass
+        if self.agent.owners.get(name) is self:
+            del self.agent.owners[name]
 
     def _drop(self, which: Any) -> None:
         with self._lock:
@@ -265,6 +331,7 @@ class NixlConn(EngineConn):
 
     def _make(self, op: str, ld: Any, rd: Any, local: CacheEntry, remote: CacheEntry) -> Any:
         mems = self.agent.mems
+        assert self.remote_name is not None  # (connected by _requests)
         try:
             return self.nx.initialize_xfer(
                 op,
@@ -292,7 +359,7 @@ class NixlConn(EngineConn):
             # Between chunks nothing is in flight: an abort there is exact.
             if i and control.aborted:
                 raise _native.NativeError(_native.Status.ABORTED, "transfer aborted")
-            self._one(key, i, h, op, remote, control)
+            self._one(key, i, h, op, remote, local, control)
 
     def _one(
         self,
@@ -301,6 +368,7 @@ class NixlConn(EngineConn):
         h: Any,
         op: str,
         remote: CacheEntry,
+        local: CacheEntry,
         control: _native.Control,
     ) -> None:
         nx = self.nx
@@ -324,17 +392,18 @@ class NixlConn(EngineConn):
             return s != "PROC"
 
         def abort() -> bool:
-            try:
-                nx.release_xfer_handle(h)
-            except Exception as e:
-                log.debug("NIXL could not cancel a %s in flight (%s): waiting for it", op, e)
-                return False
-            log.debug("NIXL cancelled a %s in flight", op)
+            # Neither releasing the request nor removing the peer's agent stops a READ
+            # already on the wire over UCX's tcp transport: its bytes kept landing after
+            # both (seen between two network namespaces, the peer stopped mid-transfer).
+            # So the call returns at its deadline, and the request goes to a reaper that
+            # waits for it to end; until then the local cache is fenced: it stays held
+            # (no free, no re-registration) and takes no transfer that writes into it.
             with self._lock:
                 handles = self._reqs.get(key)
             if handles is not None:
-                handles[i] = None  # released: the request is rebuilt next time
-                self._drop(lambda k: k == key)
+                handles[i] = None  # the reaper owns it now
+            self._drop(lambda k: k == key)
+            _reap(nx, h, local, op)
             return True
 
         poll_until_done(check, control, abort)
@@ -369,10 +438,7 @@ class NixlConn(EngineConn):
     def close(self) -> None:
         self._drop(lambda _key: True)
         self.agent._conns.discard(self)
-        if self.remote_name is not None:
-            with self.agent._lock:
-                try:
-                    self.nx.remove_remote_agent(self.remote_name)
-                except Exception:
-                    pass
-            self.remote_name = None
+        with self.agent._lock:
+            if self.remote_name is not None and self.agent.owners.get(self.remote_name) is self:
+                self._forget_agent(self.remote_name)
+        self.remote_name = None

@@ -231,6 +231,8 @@ class TcpServing:
         # Device memory is moved by engines only: never read or written here, whatever a
         # peer asks (its table said the cache is on a device).
         require_host_memory("tcp", entry)
+        if msg.type == _wire.MsgType.PUSH:
+            entry.check_no_late_writes(api)  # (an aborted engine pull may still land in it)
         segs = _wire.segments_from_bytes(msg.binary)
         pull = msg.type == _wire.MsgType.PULL
         try:

@@ -1,0 +1,87 @@
+"""An aborted NIXL pull whose request is still on the wire fences its destination.
+
+Over UCX's tcp transport a READ already sent keeps delivering bytes after the request is
+released (and after the peer's agent is removed): seen with the peer stopped mid-pull.
+The call still ends at its deadline; until the request is over the destination cache
+takes no transfer that writes into it (and cannot be freed), so no later success can be
+overwritten by the aborted pull's bytes. Here: both ends on this host with
+``UCX_TLS=tcp`` (UCX's inter-host transport), the prompt SIGSTOPped mid-pull.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from aiodatadist import BlocksCacheKey, LLMException, LLMStatusCode
+from tests._engines import require_engine
+from tests.xproc import xproc_common as xc
+from tests.xproc.xproc_harness import Harness, link
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
+
+PROMPT, DECODER = 85, 86
+MIB = 256
+TCP_ONLY = {"UCX_TLS": "tcp"}
+
+
+async def test_an_aborted_pull_in_flight_fences_its_destination(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    require_engine("nixl")
+    nixl = {"aiodatadist.DataPath": "nixl", "llm.SyncKvCacheWaitTime": "5000"}
+    spec = xc.big_spec(MIB)
+    async with Harness() as h:
+        prompt = await h.peer(
+            cluster_id=PROMPT, data_path="nixl", big_mib=MIB, env=TCP_ONLY, seed=3
+        )
+        monkeypatch.setenv("UCX_TLS", "tcp")  # read when this process's agent starts
+        dd, _ = await h.local(DECODER, nixl)
+        monkeypatch.delenv("UCX_TLS")
+        cm = dd.cache_manager
+        nbytes = (spec.shape[0], spec.shape[1] * 2)  # fp16 blocks of 1 MiB
+        dst_arrays = [np.full(nbytes, 0x11, np.uint8).view(np.float16) for _ in range(2)]
+        dst = cm.register_blocks_cache(spec.desc(), dst_arrays)
+        raw = [a.view(np.uint8).reshape(-1) for a in dst_arrays]
+        await link(dd, prompt, PROMPT)
+        key = BlocksCacheKey(PROMPT, xc.MODEL_BIG)
+        blocks = list(range(spec.shape[0]))
+        await cm.pull_blocks(key, dst, [0], [0], timeout=10)  # connects
+
+        task = asyncio.ensure_future(cm.pull_blocks(key, dst, blocks, blocks, timeout=2))
+        await asyncio.sleep(0.03)
+        os.kill(prompt.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(LLMException) as e:
+                await task
+            assert e.value.status_code == LLMStatusCode.LLM_TIMEOUT
+            assert time.monotonic() - t0 < 5  # the deadline held
+            entry = cm._caches.entries[dst.cache_id]
+            assert entry.late_writes == 1, "no request was in flight at the stop"
+            # Fenced: no transfer into it, no free, while the aborted READ may still land.
+            with pytest.raises(LLMException) as busy:
+                await cm.pull_blocks(key, dst, [0], [0], timeout=2)
+            assert busy.value.status_code == LLMStatusCode.LLM_LINK_BUSY
+            with pytest.raises(LLMException) as busy:
+                cm.unregister_cache(dst.cache_id)
+            assert busy.value.status_code == LLMStatusCode.LLM_LINK_BUSY
+        finally:
+            os.kill(prompt.pid, signal.SIGCONT)
+        for _ in range(1000):  # the request ends once the prompt runs again
+            if not entry.late_writes:
+                break
+            await asyncio.sleep(0.01)
+        assert entry.late_writes == 0
+        for r in raw:
+            r[...] = 0x33
+        await asyncio.sleep(0.5)
+        assert all(bool((r == 0x33).all()) for r in raw)  # nothing lands after the fence
+        await cm.pull_blocks(key, dst, blocks, blocks, timeout=20)  # the link works
+        assert all(bool((r == xc.BIG_FILL).all()) for r in raw)  # the prompt's "big"
+        cm.unregister_cache(dst.cache_id)
