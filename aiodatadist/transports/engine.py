@@ -67,6 +67,11 @@ _MODULES: dict[DataPath, tuple[str, str]] = {
 }
 
 
+AGENT_PREFIX = "aiodd"
+"""Engine agents are named ``aiodd-<pid>-<cluster id>-<random>``: a peer's agent must carry
+the peer's own cluster id."""
+
+
 def on_device(entry: CacheEntry) -> int | None:
     """The device id of a cache in device memory, None for host memory.
 
@@ -190,7 +195,7 @@ def start_engines(kinds: Sequence[DataPath], cluster_id: int, host: str) -> list
             why = engine_problem(kind)
             if why is not None:
                 raise EngineUnavailable(why)
-            name = f"aiodd-{os.getpid()}-{cluster_id}-{secrets.token_hex(4)}"
+            name = f"{AGENT_PREFIX}-{os.getpid()}-{cluster_id}-{secrets.token_hex(4)}"
             agents.append(engine_class(kind)(name, host))
     except EngineUnavailable as e:
         for a in agents:
@@ -259,10 +264,21 @@ class EnginePath(Path):
 
     def _peer_info(self) -> dict[str, Any]:
         info = self.peer.info.engines.get(self.agent.kind.value)
+        cluster = self.peer.info.cluster_id
         if info is None:
             raise failure(
                 LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                f"cluster {self.peer.info.cluster_id} does not run engine {self.agent.kind}",
+                f"cluster {cluster} does not run engine {self.agent.kind}",
+            )
+        name = info.get("name")
+        parts = str(name).split("-") if name is not None else None
+        if parts is not None and (parts[0] != AGENT_PREFIX or parts[2:3] != [str(cluster)]):
+            # Agents are named aiodd-<pid>-<cluster id>-<random>: a peer that presents
+            # another cluster's agent (replayed metadata) would have us read that
+            # cluster's memory outside its leases.
+            raise failure(
+                LLMStatusCode.LLM_LINK_FAILED,
+                f"cluster {cluster} presents engine agent {name!r}, not one of its own",
             )
         return info
 
