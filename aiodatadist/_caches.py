@@ -62,6 +62,9 @@ class CacheEntry:
     # Aborted engine requests that may still write into this cache (transports/nixl.py):
     # while any is out the cache is held and takes no transfer that writes into it.
     late_writes: int = 0
+    # A free refused while transfers held it: until then (monotonic), no new control-plane
+    # lease is granted on it (_engine_lease.py), so a retried free can succeed.
+    no_leases_until: float = 0.0
     _busy: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import weakref
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -125,6 +126,12 @@ async def serve(peer: Any, msg: _wire.Message) -> None:
             raise failure(
                 LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                 f"cache {cache_id} is not registered (generation {gen})",
+                api="lease",
+            )
+        if time.monotonic() < entry.no_leases_until:
+            raise failure(
+                LLMStatusCode.LLM_LINK_BUSY,
+                f"cache {cache_id} is being freed by its owner",
                 api="lease",
             )
         entry.hold(api="lease")

@@ -41,6 +41,9 @@ _shm_ids = itertools.count(1)
 # Caches finalize could not free (a copy still ran): kept alive, never unmapped under it.
 _LEAKED: list[CacheEntry] = []
 _TENSOR_ALIGN = 4096
+LEASE_PAUSE_S = 1.0
+"""After a free refused because transfers held the cache: how long no new control-plane
+lease is granted on it (a retry within that finds the transfers in flight ended)."""
 # Tensors of 2 MiB and more start on a 2 MiB boundary (the segment's mapping does) where that
 # wastes at most a 16th of them: huge pages can then back whole tensors (shmem_enabled).
 _HUGE_ALIGN = 2 << 20
@@ -417,6 +420,10 @@ class CacheRegistry:
             entry.mark_freed()
         except BaseException:
             self.leases.restore(entry)
+            # Peers on other hosts lease it per transfer (_engine_lease.py): back-to-back
+            # pulls would keep it held at every attempt. No new lease for a moment, so a
+            # retried free finds the transfers in flight ended.
+            entry.no_leases_until = time.monotonic() + LEASE_PAUSE_S
             raise
         self._engines_deregister(entry)  # the lease is revoked: no peer copy runs under it
         self.leases.release(entry)

@@ -15,6 +15,7 @@ import pytest
 
 from aiodatadist import LLMDataDist, LLMException, LLMRole, LLMStatusCode, _wire
 from aiodatadist._engine_lease import MAX_HELD
+from aiodatadist._registration import LEASE_PAUSE_S
 from aiodatadist.testing import make_blocks_cache
 from tests.xproc.xproc_harness import RawClient
 
@@ -119,5 +120,45 @@ async def test_a_flood_of_leases_is_capped() -> None:
             over = await _lease(raw, MAX_HELD, cid, gen)
             assert over["status"] == int(LLMStatusCode.LLM_LINK_BUSY)
             assert dd.cache_manager._caches.entries[cid].busy == MAX_HELD
+    finally:
+        await dd.finalize()
+
+
+async def test_a_refused_free_pauses_new_leases_so_a_retry_succeeds() -> None:
+    # Back-to-back transfers from another host would hold the cache at every attempt.
+    dd, cache = await _owner()
+    try:
+        host, port = dd.listen_address
+        cid = cache.cache.cache_id
+        async with RawClient(host, port) as raw:
+            gen = _gen(await raw.handshake(RAW_ID), cid)
+            assert (await _lease(raw, 1, cid, gen))["status"] == 0
+            assert await _unregister_refused(dd, cid)  # held: refused...
+            paused = await _lease(raw, 2, cid, gen)  # ...and no new lease meanwhile
+            assert paused["status"] == int(LLMStatusCode.LLM_LINK_BUSY)
+            assert "being freed" in paused["info"]
+            await raw.write(_wire.MsgType.UNLEASE, {"req": 1})
+            for _ in range(200):
+                if not dd.cache_manager._caches.entries[cid].busy:
+                    break
+                await asyncio.sleep(0.005)
+            dd.cache_manager.unregister_cache(cid)  # the retry goes through
+            assert cid not in dd.cache_manager._caches.entries
+    finally:
+        await dd.finalize()
+
+
+async def test_the_lease_pause_ends() -> None:
+    dd, cache = await _owner()
+    try:
+        host, port = dd.listen_address
+        cid = cache.cache.cache_id
+        async with RawClient(host, port) as raw:
+            gen = _gen(await raw.handshake(RAW_ID), cid)
+            assert (await _lease(raw, 1, cid, gen))["status"] == 0
+            assert await _unregister_refused(dd, cid)
+            await raw.write(_wire.MsgType.UNLEASE, {"req": 1})
+            await asyncio.sleep(LEASE_PAUSE_S + 0.1)  # the owner did not retry its free
+            assert (await _lease(raw, 2, cid, gen))["status"] == 0  # leases again
     finally:
         await dd.finalize()
