@@ -301,11 +301,13 @@ class TransferExecutor:
             return fut.result()
         if isinstance(error, _native.NativeError):
             if error.status == _native.Status.ABORTED and expired:
-                raise failure(
-                    LLMStatusCode.LLM_TIMEOUT,
-                    f"deadline passed after {ctl.bytes_done} of {ctl.total} bytes",
-                    api=api,
-                ) from None
+                done = (
+                    f"after {ctl.bytes_done} of {ctl.total} bytes"
+                    if ctl.total
+                    else "(the transfer engine does not report its progress)"
+                )
+                why = f"deadline passed {done}"
+                raise failure(LLMStatusCode.LLM_TIMEOUT, why, api=api) from None
             raise from_native(error, api) from error
         raise error
 

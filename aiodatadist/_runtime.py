@@ -9,6 +9,7 @@ options, executors, link and cache registries, and the table-change hook.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from ._executor import TransferExecutor
 from ._registration import CacheRegistry
@@ -18,6 +19,8 @@ from .links import LinkRegistry
 from .transports.base import Call
 from .transports.engine import EngineAgent, start_engines
 from .types import LLMRole
+
+log = logging.getLogger("aiodatadist")
 
 __all__ = ["Runtime"]
 
@@ -129,6 +132,12 @@ class Runtime:
         self.ready = False
         loop = asyncio.get_running_loop()
         idle = await self.executor.aclose(max(0.0, deadline - loop.time()))
+        extra = max((a.abort_wait_s for a in self.engines), default=0.0)
+        if not idle and extra:
+            # An engine that cannot cancel (Mooncake) may still write into memory the user
+            # gets back at finalize: wait for its transfers to end (bounded by its timeouts).
+            log.warning("finalize: waiting up to %.0f s more for engine transfers", extra)
+            idle = await self.executor.aclose(extra)
         served = await self.serve_executor.aclose(max(0.0, deadline - loop.time()))
         if self._callbacks is not None:
             self._callbacks.shutdown(0)

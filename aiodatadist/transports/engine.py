@@ -129,6 +129,10 @@ class EngineAgent(abc.ABC):
     copies_inline_on_host: bool = False
     """A same-host transfer of host memory completes inside the engine's post call (NIXL:
     UCX over CMA) when the kernel allows cross-process reads: tiny ones may run inline."""
+    abort_wait_s: float = 0.0
+    """How long an aborted transfer may still take to return, at most, because the engine
+    cannot cancel what is in flight (Mooncake): ``finalize`` waits that much longer for
+    running transfers rather than return while the engine may still write into memory."""
 
     @classmethod
     @abc.abstractmethod

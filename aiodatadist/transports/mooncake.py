@@ -122,6 +122,13 @@ _WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 _SMALL_PLAN = 16  # segments up to which a plan is turned into requests without numpy
 
 
+def _seconds(text: str) -> float:
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        return 30.0  # Mooncake's own default
+
+
 def _advertised(host: str) -> str:
     """The address peers reach this engine at: ``host``; when ``host`` names no
     address (empty, or every interface), the source address of the default route,
@@ -228,6 +235,8 @@ class MooncakeAgent(EngineAgent):
         # chose (see the module docstring, "No cancel"). Read when the engine starts.
         for var in STALL_TIMEOUT_VARS:
             os.environ.setdefault(var, STALL_TIMEOUT_S)
+        stall = max(_seconds(os.environ[var]) for var in STALL_TIMEOUT_VARS)
+        self.abort_wait_s = (WINDOW / 4 + 2) * stall + 5.0  # (see "No cancel" above)
         addr = _advertised(host)
         self.te: Any = TransferEngine()
         try:
