@@ -104,8 +104,8 @@ def buffers_to_addrs(
             require(
                 bool(device_engines),
                 f"{where}: device memory ({mem.device}) needs a fabric data path "
-                "(NIXL/Mooncake); the host paths cannot move it (start NIXL with "
-                "aiodatadist.Engines=nixl to register device memory)",
+                "that moves it (NIXL; the non-CUDA Mooncake build does not); the host "
+                "paths cannot move it (start NIXL with aiodatadist.Engines=nixl)",
             )
             device = _cuda_device(mem.device, where, device_engines)
         devices.add(device)

@@ -18,12 +18,14 @@ killed), so an engine whose import or start crashes cannot take doctor with it:
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._engine_env import ENGINES, engine_problem, engine_spec, engine_version, fabric_report
 from ..testing.peer import python_argv, python_env
+from ..transports.nixl import UCX_MODULES_DEFAULT
 
 __all__ = ["EngineReport", "engines_section", "print_engines", "probe_engine"]
 
@@ -92,7 +94,9 @@ class EngineReport:
     notes: list[str] = field(default_factory=list)
 
 
-def _run_probe(code: str, *args: str) -> tuple[dict[str, Any] | None, str]:
+def _run_probe(
+    code: str, *args: str, env: dict[str, str] | None = None
+) -> tuple[dict[str, Any] | None, str]:
     """Runs ``code`` in a child; its JSON result line, or None and why there is none.
 
     With a result, the text says whether the child then died of a signal (at exit): an
@@ -105,7 +109,7 @@ def _run_probe(code: str, *args: str) -> tuple[dict[str, Any] | None, str]:
             capture_output=True,
             text=True,
             timeout=ENGINE_PROBE_TIMEOUT,
-            env=python_env(),
+            env=python_env(env),
             check=False,
         )
     except subprocess.TimeoutExpired:
@@ -134,7 +138,10 @@ def _ucx_usable(modules: list[str], fabric: dict[str, Any]) -> list[str]:
 
 
 def _probe_nixl(report: EngineReport, fabric: dict[str, Any]) -> None:
-    found, why = _run_probe(_NIXL_PROBE)
+    # As the library's NIXL engine does (transports/nixl.py): UCX_MODULES=^efa unless set.
+    found, why = _run_probe(
+        _NIXL_PROBE, env={"UCX_MODULES": os.environ.get("UCX_MODULES", UCX_MODULES_DEFAULT)}
+    )
     if found is None:
         report.works, report.detail = False, f"imports, but {why}"
         return
@@ -142,8 +149,9 @@ def _probe_nixl(report: EngineReport, fabric: dict[str, Any]) -> None:
     if why:  # seen with NIXL 1.5.1 when the system libibverbs.so.1 is installed
         report.notes.append(
             f"the probe process died of {why} at exit, after its work: a process that "
-            "used NIXL may crash when it ends (UCX_MODULES=^efa avoided it where "
-            "the system libibverbs1 is installed: docs/deployment.md)"
+            f"used NIXL may crash when it ends (UCX_MODULES={os.environ.get('UCX_MODULES')!r} "
+            "is set here; the library's default ^efa avoided it where the system "
+            "libibverbs1 is installed: docs/deployment.md)"
         )
     if found["ucx"] is not None:
         report.works = False

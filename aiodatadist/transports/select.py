@@ -251,6 +251,13 @@ class RemotePath(Path):
                     else "; the remote cache has no lease"
                 )
             why += ")"
+        offered = [str(p) for p in self.peer.info.data_paths]
+        if offered and not set(offered) & {str(p) for p in DataPath.remote()}:
+            # The peer forced an engine: only that engine, on both sides, can move bytes.
+            why += (
+                f"; the peer offers only {', '.join(offered)}: run that engine here too "
+                "(aiodatadist.Engines) or force it (aiodatadist.DataPath)"
+            )
         raise failure(LLMStatusCode.LLM_FEATURE_NOT_ENABLED, why)
 
     def _unmap_freed(self) -> None:
