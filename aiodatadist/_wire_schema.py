@@ -213,7 +213,7 @@ def _engines(value: Any, where: str) -> None:
 
 
 def _segment(value: Any, where: str) -> None:
-    if _SEGMENT.fullmatch(value) is None:
+    if _SEGMENT.fullmatch(value) is None or not 0 < int(value.rpartition(":")[2]) < 65536:
         raise WireError(f"{where}: {value!r:.80} is not a 'host:port' segment")
 
 

@@ -354,6 +354,12 @@ REJECTIONS: list[tuple[str, MsgType, Mutation, str]] = [
         _set("engines", {"mooncake": {"segment": "no port"}}),
         "not a 'host:port' segment",
     ),
+    (
+        "welcome-mooncake-port-range",
+        MsgType.TABLE,
+        _set("engines", {"mooncake": {"segment": "h:99999"}}),
+        "not a 'host:port' segment",
+    ),
     ("lease-gen-str", MsgType.LEASE, _set("gen", "1"), "expected int"),
     ("leased-no-info", MsgType.LEASED, lambda b: b.pop("info"), "missing field"),
     ("status-u32", MsgType.DONE, _set("status", 2**32), "out of range"),
