@@ -23,7 +23,7 @@ from . import _native
 from .errors import LLMStatusCode, failure
 from .types import CacheDesc, KvCache
 
-__all__ = ["CacheEntry", "CacheTable", "RowKey", "require_host_memory"]
+__all__ = ["CacheEntry", "CacheTable", "RowKey", "require_host_memory", "wait_unfenced"]
 
 RowKey = tuple[int, int]
 """``(req_id or prefix_id, model_id)`` naming one row of a non-block cache."""
@@ -122,14 +122,15 @@ class CacheEntry:
     def fence(self) -> None:
         """An aborted transfer may still write into this cache: hold it (no free) and
         refuse writes into it (:meth:`check_no_late_writes`) until :meth:`unfence`."""
-        with self._lock:
+        with _FENCES, self._lock:
             self._busy += 1
             self.late_writes += 1
 
     def unfence(self) -> None:
-        with self._lock:
+        with _FENCES, self._lock:
             self._busy -= 1
             self.late_writes -= 1
+            _FENCES.notify_all()
 
     def check_no_late_writes(self, api: str | None = None) -> None:
         """Refuses a write into this cache while an aborted transfer may still land in it.
@@ -203,6 +204,15 @@ class CacheEntry:
             device_id=None if d.get("device_id") is None else int(d["device_id"]),
             local=False,
         )
+
+
+_FENCES = threading.Condition()
+
+
+def wait_unfenced(entries: list[CacheEntry], timeout: float) -> bool:
+    """Blocks until no entry of ``entries`` is fenced (or ``timeout`` s); True when none is."""
+    with _FENCES:
+        return _FENCES.wait_for(lambda: not any(e.late_writes for e in entries), timeout)
 
 
 def require_host_memory(what: str, *entries: CacheEntry) -> None:

@@ -9,8 +9,12 @@ options, executors, link and cache registries, and the table-change hook.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
+from collections.abc import Callable
 
+from ._caches import wait_unfenced
 from ._executor import TransferExecutor
 from ._registration import CacheRegistry
 from .config import Options
@@ -21,6 +25,25 @@ from .transports.engine import EngineAgent, start_engines
 from .types import LLMRole
 
 log = logging.getLogger("aiodatadist")
+
+
+async def _on_thread(fn: Callable[[], bool]) -> bool:
+    """``fn()`` on a thread of its own (never the loop's default executor), awaited."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[bool] = loop.create_future()
+
+    def settle(result: bool) -> None:
+        if not fut.done():
+            fut.set_result(result)
+
+    def run() -> None:
+        result = fn()
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, result)
+
+    threading.Thread(target=run, name="aiodatadist-finalize-wait", daemon=True).start()
+    return await asyncio.shield(fut)
+
 
 __all__ = ["Runtime"]
 
@@ -138,6 +161,18 @@ class Runtime:
             # gets back at finalize: wait for its transfers to end (bounded by its timeouts).
             log.warning("finalize: waiting up to %.0f s more for engine transfers", extra)
             idle = await self.executor.aclose(extra)
+        fenced = [e for e in self.caches.entries.values() if e.late_writes]
+        if fenced:
+            # An aborted NIXL request still on the wire may land in these (transports/nixl.py):
+            # the user gets that memory back at finalize. Wait for it, bounded.
+            bound = max(extra, deadline - loop.time(), 5.0)
+            log.warning("finalize: waiting up to %.0f s for aborted engine requests", bound)
+            if not await _on_thread(lambda: wait_unfenced(fenced, bound)):
+                log.warning(
+                    "finalize: caches %s may still receive bytes of an aborted engine "
+                    "request (their peer never finished it); they stay allocated",
+                    [e.cache_id for e in fenced],
+                )
         served = await self.serve_executor.aclose(max(0.0, deadline - loop.time()))
         if self._callbacks is not None:
             self._callbacks.shutdown(0)

@@ -73,10 +73,14 @@ UCX_MODULES_DEFAULT = "^efa"
 """Bytes per NIXL request of one transfer (an abort waits for at most one)."""
 
 
-def _reap(nx: Any, h: Any, local: CacheEntry, op: str) -> None:
+def _reap(conn: NixlConn, h: Any, local: CacheEntry, op: str) -> None:
     """Waits (on a thread of its own) for an aborted request still in flight to end, with
-    ``local`` fenced meanwhile (see the module docstring)."""
+    ``local`` fenced meanwhile (see the module docstring). The connection keeps the
+    peer's agent until then (closing it early would hide the request's state)."""
+    nx = conn.nx
     local.fence()
+    with conn._lock:
+        conn._reaping += 1
 
     def wait() -> None:
         delay = 1e-4
@@ -85,7 +89,7 @@ def _reap(nx: Any, h: Any, local: CacheEntry, op: str) -> None:
                 try:
                     state = nx.check_xfer_state(h)
                 except Exception:
-                    break  # the agent or the peer is gone: the request is over
+                    break  # the request failed (its peer is gone)
                 if state != "PROC":
                     break
                 time.sleep(delay)
@@ -97,6 +101,11 @@ def _reap(nx: Any, h: Any, local: CacheEntry, op: str) -> None:
         finally:
             local.unfence()
             log.debug("NIXL: aborted %s over; cache %d takes transfers again", op, local.cache_id)
+            with conn._lock:
+                conn._reaping -= 1
+                last = not conn._reaping and conn._closing
+            if last:
+                conn._forget()
 
     threading.Thread(target=wait, name="aiodatadist-nixl-reaper", daemon=True).start()
 
@@ -249,6 +258,8 @@ class NixlConn(EngineConn):
         self.remote_name: str | None = None
         self._reqs: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._lock = threading.Lock()
+        self._reaping = 0  # aborted requests still on the wire (see _reap)
+        self._closing = False
         self.update(peer_info)
 
     def update(self, peer_info: dict[str, Any]) -> None:
@@ -403,7 +414,7 @@ class NixlConn(EngineConn):
             if handles is not None:
                 handles[i] = None  # the reaper owns it now
             self._drop(lambda k: k == key)
-            _reap(nx, h, local, op)
+            _reap(self, h, local, op)
             return True
 
         poll_until_done(check, control, abort)
@@ -438,6 +449,13 @@ class NixlConn(EngineConn):
     def close(self) -> None:
         self._drop(lambda _key: True)
         self.agent._conns.discard(self)
+        with self._lock:
+            self._closing = True
+            if self._reaping:
+                return  # the last reaper forgets the agent once its request is over
+        self._forget()
+
+    def _forget(self) -> None:
         with self.agent._lock:
             if self.remote_name is not None and self.agent.owners.get(self.remote_name) is self:
                 self._forget_agent(self.remote_name)

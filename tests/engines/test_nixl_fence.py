@@ -85,3 +85,50 @@ async def test_an_aborted_pull_in_flight_fences_its_destination(
         await cm.pull_blocks(key, dst, blocks, blocks, timeout=20)  # the link works
         assert all(bool((r == xc.BIG_FILL).all()) for r in raw)  # the prompt's "big"
         cm.unregister_cache(dst.cache_id)
+
+
+async def test_finalize_waits_for_an_aborted_request_still_on_the_wire(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    require_engine("nixl")
+    nixl = {"aiodatadist.DataPath": "nixl", "llm.SyncKvCacheWaitTime": "5000"}
+    spec = xc.big_spec(MIB)
+    async with Harness() as h:
+        prompt = await h.peer(
+            cluster_id=PROMPT, data_path="nixl", big_mib=MIB, env=TCP_ONLY, seed=3
+        )
+        monkeypatch.setenv("UCX_TLS", "tcp")
+        dd, _ = await h.local(DECODER, nixl)
+        monkeypatch.delenv("UCX_TLS")
+        cm = dd.cache_manager
+        nbytes = (spec.shape[0], spec.shape[1] * 2)
+        raw = [np.full(nbytes, 0x11, np.uint8) for _ in range(2)]
+        dst = cm.register_blocks_cache(spec.desc(), [r.view(np.float16) for r in raw])
+        await link(dd, prompt, PROMPT)
+        key = BlocksCacheKey(PROMPT, xc.MODEL_BIG)
+        blocks = list(range(spec.shape[0]))
+        await cm.pull_blocks(key, dst, [0], [0], timeout=10)
+        task = asyncio.ensure_future(cm.pull_blocks(key, dst, blocks, blocks, timeout=1))
+        await asyncio.sleep(0.03)
+        os.kill(prompt.pid, signal.SIGSTOP)
+        resumed = asyncio.get_running_loop().create_future()
+
+        def resume() -> None:
+            os.kill(prompt.pid, signal.SIGCONT)
+            resumed.set_result(time.monotonic())
+
+        try:
+            with pytest.raises(LLMException):
+                await task
+            assert cm._caches.entries[dst.cache_id].late_writes == 1
+            asyncio.get_running_loop().call_later(2.0, resume)
+            await dd.finalize()  # waits for the request the prompt finishes once resumed
+            done = time.monotonic()
+        finally:
+            if not resumed.done():
+                resume()
+        assert done >= await resumed  # not before the request could end
+        for r in raw:
+            r[...] = 0x33
+        await asyncio.sleep(0.5)
+        assert all(bool((r == 0x33).all()) for r in raw)  # nothing after finalize
