@@ -136,6 +136,8 @@ def test_a_missing_system_library_names_the_apt_package(monkeypatch: pytest.Monk
         system_libraries=(*spec.system_libraries, ("libaiodd-absent.so.7", "libaiodd-absent7")),
     )
     monkeypatch.setitem(_engine_env._SPECS, "mooncake", missing)
+    # (an engine test earlier in this process may have imported it: that short-cuts the check)
+    monkeypatch.delitem(sys.modules, spec.module, raising=False)
     assert engine_problem("mooncake") == (
         "mooncake-transfer-engine-non-cuda is installed but libaiodd-absent.so.7 cannot be "
         "loaded (Debian/Ubuntu: apt-get install libaiodd-absent7)"
