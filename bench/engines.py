@@ -63,6 +63,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+# The direct side runs NIXL as aiodatadist does: its progress thread paced (the wrapper's
+# default spins a whole core per agent) and UCX's EFA module left out (a crash at exit).
+from aiodatadist.transports.nixl import UCX_MODULES_DEFAULT
+from aiodatadist.transports.nixl import _paced_agent as _paced_agent
+
+os.environ.setdefault("UCX_MODULES", UCX_MODULES_DEFAULT)
+
 __all__ = [
     "ENGINES",
     "EngineServer",
@@ -207,7 +214,8 @@ def _target(engine: str, nbytes: int, layout: dict[str, Any] | None = None) -> N
     if engine == "nixl":
         from nixl_cu12._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found,unused-ignore]
 
-        agent = nixl_agent("target", nixl_agent_config(backends=["UCX"]))
+        # Paced like aiodatadist's own agent (its progress thread otherwise spins a core).
+        agent = _paced_agent(nixl_agent, "target", nixl_agent_config(backends=["UCX"]))
         agent.register_memory(agent.get_reg_descs([(a, n, 0, "") for a, n in regions], "DRAM"))
         info["md"] = agent.get_agent_metadata().hex()
         keep = agent
@@ -277,7 +285,9 @@ class _Initiator:
         if engine == "nixl":
             from nixl_cu12._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found,unused-ignore]
 
-            self.agent = agent = nixl_agent("initiator", nixl_agent_config(backends=["UCX"]))
+            self.agent = agent = _paced_agent(
+                nixl_agent, "initiator", nixl_agent_config(backends=["UCX"])
+            )
             agent.register_memory(agent.get_reg_descs([(a, n, 0, "") for a, n in regions], "DRAM"))
             self.peer = agent.add_remote_agent(bytes.fromhex(info["md"]))
         else:
