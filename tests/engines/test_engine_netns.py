@@ -1,4 +1,4 @@
-"""Mooncake between two network namespaces: separate host identities, so no fd channel and
+"""Each engine between two network namespaces: separate host identities, so no fd channel and
 no lease page; every engine transfer runs under the control-plane lease (LEASE/LEASED/
 UNLEASE). The namespaces come from ``tests/xproc/test_xproc_netns.py`` (root and
 iproute2, else skipped saying which is missing)."""
@@ -9,21 +9,24 @@ import pytest
 
 from aiodatadist.testing import engine_unavailable
 from tests.xproc import xproc_common as xc
-from tests.xproc.test_xproc_netns import DECODER_IP, PROMPT_IP, Pair, netns_pair
+from tests.xproc.test_xproc_netns import PROMPT_IP, Pair, netns_pair
 from tests.xproc.xproc_harness import Harness
 
 pytestmark = [pytest.mark.slow]
 
 __all__ = ["netns_pair"]
 
-PROMPT, DECODER = 83, 84
-SEED = 29
-MOONCAKE = {"aiodatadist.Engines": "mooncake"}
+PROMPT, DECODER = 81, 82
+SEED = 23
 
 
 @pytest.mark.asyncio
-async def test_mooncake_across_network_namespaces(netns_pair: Pair) -> None:
-    why = engine_unavailable("mooncake")
+@pytest.mark.parametrize("engine", ["nixl", "mooncake"])
+async def test_engine_across_network_namespaces(netns_pair: Pair, engine: str) -> None:
+    # The decoder listens nowhere: its engine advertises an address the prompt can reach
+    # (Mooncake: the first non-loopback IPv4 address; there is no default route here).
+    options = {"aiodatadist.Engines": engine}
+    why = engine_unavailable(engine)
     if why is not None:
         pytest.skip(why)
     async with Harness() as h:
@@ -32,24 +35,22 @@ async def test_mooncake_across_network_namespaces(netns_pair: Pair) -> None:
             seed=SEED,
             listen=f"{PROMPT_IP}:0",
             netns=netns_pair.prompt_ns,
-            data_path="mooncake",
-            options=MOONCAKE,
+            data_path=engine,
+            options=options,
         )
         decoder = await h.peer(
             cluster_id=DECODER,
             role="decoder",
-            # The decoder's engine must be reachable for the prompt's push: its segment
-            # carries the instance's listen address (127.0.0.1 when it listens nowhere).
-            listen=f"{DECODER_IP}:0",
+            listen=None,
             netns=netns_pair.decoder_ns,
-            data_path="mooncake",
-            options=MOONCAKE,
+            data_path=engine,
+            options=options,
         )
         assert prompt.ready["host_id"] != decoder.ready["host_id"]
         r = await decoder.ok("link", cluster_id=PROMPT, host=PROMPT_IP, port=prompt.port)
         assert r["status"] == 0 and r["statuses"] == [0], (r, prompt.stderr_tail())
         links = (await decoder.ok("links"))["links"]
-        assert links == [{"cluster_id": PROMPT, "data_path": "mooncake"}], links
+        assert links == [{"cluster_id": PROMPT, "data_path": engine}], links
 
         expected: dict[str, object] = {}
         for name in ("alloc", "reg"):
@@ -63,7 +64,7 @@ async def test_mooncake_across_network_namespaces(netns_pair: Pair) -> None:
                 dst_blocks=[7, 1, 2],
                 timeout=10,
             )
-            assert r["path"] == "mooncake", r
+            assert r["path"] == engine, r
             expected[name] = xc.expect_blocks(
                 xc.reference(None, name),
                 xc.reference(SEED, name),
@@ -72,7 +73,7 @@ async def test_mooncake_across_network_namespaces(netns_pair: Pair) -> None:
                 [7, 1, 2],
                 (0, 0, 4),
             )
-        # The prompt pushes across the namespaces into the decoder, over Mooncake too.
+        # The prompt pushes across the namespaces into the decoder, over the engine too.
         r = await prompt.ok(
             "push",
             dst_cluster=DECODER,
@@ -104,7 +105,7 @@ async def test_mooncake_across_network_namespaces(netns_pair: Pair) -> None:
             dst_blocks=[3],
             timeout=10,
         )
-        assert r["path"] == "mooncake", r
+        assert r["path"] == engine, r
         late = xc.pattern(500, xc.Spec("late", True, False, (xc.NUM_BLOCKS, *xc.BLOCK_SHAPE)))
         want_reg = xc.expect_blocks(
             expected["reg"], late, xc.SPECS["reg"].unit, [4], [3], (0, 0, 4)
