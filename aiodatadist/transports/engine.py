@@ -222,9 +222,10 @@ def poll_until_done(
     ``check()``: True once done, False while in progress (raises on failure).
     A few spins first (a tiny transfer lands in microseconds), then sleeps doubling
     from 20 us to 1 ms: never a loop that burns a core. On ``control.aborted``,
-    ``abort()`` cancels the engine transfer: True once the engine can no longer touch
-    local memory for it (then this raises ``NativeError(ABORTED)``); False when it
-    cannot cancel (then this keeps waiting for the transfer to end, and still raises).
+    ``abort()`` deals with the engine transfer: True once the call may return (then this
+    raises ``NativeError(ABORTED)``): the engine can no longer touch local memory for it,
+    or what it may still write is fenced (``CacheEntry.fence``, see ``nixl.py``); False
+    when it can do neither (then this keeps waiting for the transfer to end, and raises).
     """
     spins = 0
     delay = 20e-6
