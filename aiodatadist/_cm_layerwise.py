@@ -77,7 +77,7 @@ class _Flight:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.landed = 0
         self.waiter: asyncio.Future[None] | None = None
-        self.task: asyncio.Task[None] | None = None
+        self.task: asyncio.Task[object] | None = None
         try:
             loop.add_reader(self.fd, self._readable)
         except BaseException:
@@ -108,7 +108,7 @@ class _Flight:
         os.close(self.fd)
         self.fd = -1
 
-    def finished(self, task: asyncio.Task[None]) -> None:
+    def finished(self, task: asyncio.Task[object]) -> None:
         # The task's done callback: its error is not "never retrieved" (a stream dropped
         # with the transfer in flight never asks), the fd goes, a waiting caller wakes.
         if not task.cancelled():

@@ -208,6 +208,34 @@ LEASE_SLOT_BYTES: int
 LEASE_REVOKED: int
 """The bit of a slot's generation that marks it revoked (``1 << 63``)."""
 
+class LaneCopy:
+    """One small pull of blocks on the calling thread (a fast lane, ``aiodatadist._lanes``):
+    ``process_vm_readv`` from ``pid``, or a memcpy when ``pid`` is 0, under the lease
+    slot at ``lease_addr`` (0: none); geometries and address lists fixed here."""
+
+    def __init__(
+        self,
+        pid: int,
+        src: Geometry,
+        dst: Geometry,
+        src_bases: Sequence[int],
+        dst_bases: Sequence[int],
+        lease_addr: int,
+        lease_gen: int,
+        max_bytes: int,
+    ) -> None: ...
+    def pull(
+        self,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        src_tensor_start: int,
+        dst_tensor_start: int,
+        tensor_count: int,
+    ) -> int:
+        """GIL released. The bytes moved, or -1: declined (an invalid plan, or over
+        ``max_bytes``; nothing moved), -2: the lease was stale (nothing moved), -3: the
+        lease was revoked while the bytes moved (they are not valid). Raises NativeError."""
+
 def lease_enter(addr: int, gen: int) -> bool:
     """Counts one reader on the slot at ``addr``; False (and no reader left) when the
     slot's generation is not ``gen``."""

@@ -46,8 +46,12 @@ if TYPE_CHECKING:
 __all__ = ["copy", "run"]
 
 
-async def run(rt: Runtime, link: Link, request: Request, cut: LayerCut | None = None) -> None:
-    """Moves the bytes ``request`` names over ``link``; returns once they all landed.
+async def run(
+    rt: Runtime, link: Link, request: Request, cut: LayerCut | None = None
+) -> CacheEntry:
+    """Moves the bytes ``request`` names over ``link``; returns once they all landed,
+    with the peer's cache entry the bytes came from or went to (a pull's fast lane is
+    made for it: :mod:`aiodatadist._lanes`).
 
     ``cut`` (a pull only): the transfer is layered (``pull_blocks_layerwise``): still one
     transfer (one slot, one hold of each cache, one deadline, counted once), moved by
@@ -111,7 +115,7 @@ async def run(rt: Runtime, link: Link, request: Request, cut: LayerCut | None = 
                         m.done(kind, used, nbytes, link.slot.waited, perf_counter() - start)
                         if span is not None:
                             tracer.end(span, used, nbytes, None)  # type: ignore[union-attr]
-                        return
+                        return held
                     except LeaseStale:
                         # Stale again after the refresh: LLM_KV_CACHE_NOT_EXIST (this exception).
                         if retry:
@@ -120,6 +124,7 @@ async def run(rt: Runtime, link: Link, request: Request, cut: LayerCut | None = 
                         remote, moves = plan(request, link.path.remote_table)
                     finally:
                         held.release()
+                raise AssertionError("not reached: the second try returned or raised")
             finally:
                 local.release()
     except BaseException as e:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,7 @@ from ._checks import (
 from ._cm_layerwise import LayerwiseMixin
 from ._cm_local import LocalMixin
 from ._cm_push import PushMixin
+from ._lanes import FastPulls
 from ._pipeline import (
     CacheTask,
     PipelineRequest,
@@ -82,6 +84,7 @@ class CacheManager(PushMixin, LocalMixin, LayerwiseMixin):
     def __init__(self, rt: Runtime) -> None:
         self._rt = rt
         self._caches = rt.caches
+        self._lanes = FastPulls(rt)
         self._pipelines = Pipelines(rt)
         self.table = rt.caches.table
         self.leases = rt.caches.leases
@@ -233,7 +236,6 @@ class CacheManager(PushMixin, LocalMixin, LayerwiseMixin):
 
     # --------------------------------------------------------------- transfers
 
-    @public("pull_blocks")
     async def pull_blocks(
         self,
         src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey = MISSING,
@@ -278,30 +280,33 @@ class CacheManager(PushMixin, LocalMixin, LayerwiseMixin):
                 the named destination blocks are undefined, the link stays usable.
             asyncio.CancelledError: cancelled; raised once the native job has returned.
         """
-        # The fast path (all four given, v2 or positional) costs four identity checks.
-        if (
-            v1_names
-            or dst_blocks is MISSING
-            or src_blocks is MISSING
-            or dst_cache is MISSING
-            or src_cache_key is MISSING
-        ):
-            src_cache_key, dst_cache, src_blocks, dst_blocks = pull_names(
-                src_cache_key, dst_cache, src_blocks, dst_blocks, v1_names
-            )
-        request = blocks_pull_request(
-            self._rt,
-            self._caches,
+        lanes = self._lanes
+        if lanes and not v1_names:  # a small repeated pull: its kept lane (aiodatadist._lanes)
+            if time.monotonic() >= lanes.yield_due:
+                await lanes.pause()  # (lane pulls never suspend: once a ms, they yield)
+            if lanes.pull(
+                src_cache_key,
+                dst_cache,
+                src_blocks,
+                dst_blocks,
+                src_layer_range,
+                dst_layer_range,
+                tensor_num_per_layer,
+                timeout,
+            ):
+                return
+        await _pull_blocks(
+            self,
             src_cache_key,
             dst_cache,
             src_blocks,
             dst_blocks,
-            tensor_num_per_layer,
             src_layer_range,
             dst_layer_range,
+            tensor_num_per_layer,
             timeout,
+            v1_names,
         )
-        await _runner.run(self._rt, self._rt.links.get(request.cluster_id), request)
 
     @public("pull_cache")
     async def pull_cache(
@@ -465,3 +470,46 @@ def _show_signature(fn: Any, required: tuple[str, ...], defaults: dict[str, obje
 _show_signature(
     CacheManager.pull_blocks, ("src_cache_key", "dst_cache"), {"src_blocks": (), "dst_blocks": ()}
 )
+
+
+@public("pull_blocks")
+async def _pull_blocks(
+    cm: CacheManager,
+    src_cache_key: object,
+    dst_cache: object,
+    src_blocks: object,
+    dst_blocks: object,
+    src_layer_range: object,
+    dst_layer_range: object,
+    tensor_num_per_layer: object,
+    timeout: object,
+    v1_names: dict[str, Any],
+) -> None:
+    """``pull_blocks`` the whole way (:mod:`aiodatadist._runner`); keeps a lane after it."""
+    # All four given (v2 or positional): four identity checks.
+    if (
+        v1_names
+        or dst_blocks is MISSING
+        or src_blocks is MISSING
+        or dst_cache is MISSING
+        or src_cache_key is MISSING
+    ):
+        src_cache_key, dst_cache, src_blocks, dst_blocks = pull_names(
+            src_cache_key, dst_cache, src_blocks, dst_blocks, v1_names
+        )
+    rt = cm._rt
+    request = blocks_pull_request(
+        rt,
+        cm._caches,
+        src_cache_key,
+        dst_cache,
+        src_blocks,
+        dst_blocks,
+        tensor_num_per_layer,
+        src_layer_range,
+        dst_layer_range,
+        timeout,
+    )
+    link = rt.links.get(request.cluster_id)
+    remote = await _runner.run(rt, link, request)
+    cm._lanes.learn(dst_cache, request, link, remote)

@@ -55,6 +55,11 @@ class _FifoSlot:
     def busy(self) -> bool:
         return self._lock.locked()
 
+    @property
+    def waiting(self) -> int:
+        """Callers queued for the slot (a free slot with waiters is not free)."""
+        return self._waiting
+
     async def acquire(self, deadline: float | None) -> None:
         if not self._lock.locked() and not self._waiting:
             await self._lock.acquire()  # free and nobody queued: taken at once, no timer

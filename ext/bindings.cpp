@@ -226,6 +226,13 @@ PYBIND11_MODULE(_native, m) {
   // Leases (lease.cpp): every function takes the address of a slot in a mapped lease page.
   m.attr("LEASE_SLOT_BYTES") = kLeaseSlotBytes;
   m.attr("LEASE_REVOKED") = kLeaseRevoked;
+  py::class_<LaneCopy>(m, "LaneCopy")
+      .def(py::init<int, const Geometry&, const Geometry&, std::vector<uint64_t>, std::vector<uint64_t>,
+                    uint64_t, uint64_t, uint64_t>(),
+           py::arg("pid"), py::arg("src"), py::arg("dst"), py::arg("src_bases"), py::arg("dst_bases"),
+           py::arg("lease_addr"), py::arg("lease_gen"), py::arg("max_bytes"))
+      .def("pull", &LaneCopy::pull, py::arg("src_blocks"), py::arg("dst_blocks"),
+           py::arg("src_tensor_start"), py::arg("dst_tensor_start"), py::arg("tensor_count"), gil_release());
   m.def("lease_enter", &lease_enter, py::arg("addr"), py::arg("gen"));
   m.def("lease_exit", &lease_exit, py::arg("addr"));
   m.def("lease_publish", &lease_publish, py::arg("addr"), py::arg("gen"));

@@ -255,6 +255,30 @@ class ShmSegment {
   std::atomic<bool> populated_{false};
 };
 
+// ---- the fast lane (lane.cpp) ----
+// One small pull of blocks on the calling thread (the caller releases the GIL):
+// process_vm_readv from `pid`, or a memcpy when pid is 0 (the source is mapped here),
+// single-threaded, under the lease slot at `lease_addr` (0: none). pull() returns the
+// bytes moved, or: kLaneDeclined (the plan is invalid or over max_bytes: nothing moved),
+// kLaneStale (the lease was not current: nothing moved), kLaneRevoked (it was revoked
+// while the bytes moved: they are not valid). Copy failures throw Error.
+constexpr int64_t kLaneDeclined = -1;
+constexpr int64_t kLaneStale = -2;
+constexpr int64_t kLaneRevoked = -3;
+class LaneCopy {
+ public:
+  LaneCopy(int pid, const Geometry& src, const Geometry& dst, std::vector<uint64_t> src_bases,
+           std::vector<uint64_t> dst_bases, uint64_t lease_addr, uint64_t lease_gen, uint64_t max_bytes);
+  int64_t pull(const std::vector<int64_t>& src_blocks, const std::vector<int64_t>& dst_blocks,
+               uint64_t src_tensor_start, uint64_t dst_tensor_start, uint64_t tensor_count) const;
+
+ private:
+  int pid_;
+  Geometry src_, dst_;
+  std::vector<uint64_t> src_bases_, dst_bases_;
+  uint64_t lease_addr_, lease_gen_, max_bytes_;
+};
+
 // ---- leases (lease.cpp) ----
 // One slot of a lease page: the generation of one cache's registration (0 =
 // empty, kLeaseRevoked set = being revoked) and the count of peer copies under it.

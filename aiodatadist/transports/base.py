@@ -18,15 +18,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import _native
-from .._executor import INLINE_MAX_BYTES, INLINE_YIELD_S
-from ..errors import LLMStatusCode, failure
+from .._executor import INLINE_MAX_BYTES, INLINE_YIELD_S, ONE_SIDED_INLINE_MAX_BYTES
+from ..errors import LLMException, LLMStatusCode, failure, from_native
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry, CacheTable
     from .._executor import TransferExecutor
     from ..config import DataPath
 
-__all__ = ["Call", "LayerCut", "Path", "local_copy"]
+__all__ = ["Call", "CopyLane", "LayerCut", "Lane", "Path", "local_copy"]
 
 
 @dataclass
@@ -116,6 +116,144 @@ class LayerCut:
         os.eventfd_write(self.fd, 1)
 
 
+class Lane(abc.ABC):
+    """A path's fast lane for small pulls from one remote cache into one local cache.
+
+    The runner keeps a lane per (link, remote cache, local cache) once a pull between
+    them went through the whole path (:func:`aiodatadist._runner.run`), and hands it the
+    next small pulls while nothing else can be in the way: the link's slot is free and
+    nobody waits for it, both caches are live and unfenced, the peer's table has not
+    changed, no tracer runs. The lane then moves the bytes **synchronously, on the loop
+    thread**, with no await: no slot to queue for, no executor handoff, no wake-up. Only
+    paths whose small transfers cannot wait on anything (a one-sided copy, an engine
+    post that completes at once) offer one.
+
+    Attributes:
+        kind: the data path it moves bytes over (metrics).
+        max_bytes: the largest plan it takes (``plan.total_bytes``).
+    """
+
+    kind: DataPath
+    max_bytes: int
+
+    @abc.abstractmethod
+    def usable(self) -> bool:
+        """Whether the lane can still run (its mappings, lease page, channel are up)."""
+
+    @abc.abstractmethod
+    def pull(self, src_blocks: list[int], dst_blocks: list[int], span: tuple[int, int, int]) -> int:
+        """Moves blocks now, on the calling (loop) thread, GIL released while bytes move.
+
+        Args:
+            src_blocks, dst_blocks: lists of ``int`` (block ``src_blocks[i]`` of every
+                selected remote tensor lands in block ``dst_blocks[i]``); not checked yet.
+            span: (first remote tensor, first local tensor, tensor count), as
+                :func:`~aiodatadist._plan.tensor_span` gives them.
+
+        Returns:
+            The bytes that landed (all of them); 0 when the lane did not take the pull
+            and moved nothing (a block out of range or repeated, more than ``max_bytes``,
+            a stale lease): the caller takes the whole path, which says what is wrong.
+
+        Raises:
+            LLMException: bytes may have moved and the transfer failed (the peer died,
+                the owner revoked the lease mid-copy): the destination blocks are
+                undefined, as after any failed pull.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Releases what the lane holds (its path forgot it)."""
+
+
+class CopyLane(Lane):
+    """The lane of the one-sided paths: one native :class:`~aiodatadist._native.LaneCopy`
+    (``process_vm_readv`` from the peer, or a memcpy from memory mapped here) under the
+    remote cache's lease, at most ``ONE_SIDED_INLINE_MAX_BYTES`` (the inline bound).
+
+    Args:
+        kind: the data path (metrics).
+        copy: the native copy: geometries, address lists, lease slot and bound fixed.
+        alive: whether the lane may still run (its mappings and lease page are up).
+        cache_id: the remote cache (messages).
+        keep: objects that must stay alive while the lane can run (the mappings its
+            addresses point into).
+        holds: caches held while a copy runs (an in-process peer's cache).
+        max_bytes: the largest pull it takes (the inline bound of its kind of copy:
+            ``ONE_SIDED_INLINE_MAX_BYTES`` across processes, ``INLINE_MAX_BYTES`` in one);
+            ``copy`` must have been made with the same bound.
+    """
+
+    def __init__(
+        self,
+        kind: DataPath,
+        copy: _native.LaneCopy,
+        alive: Callable[[], bool],
+        cache_id: int,
+        keep: tuple[Any, ...] = (),
+        holds: tuple[CacheEntry, ...] = (),
+        max_bytes: int = ONE_SIDED_INLINE_MAX_BYTES,
+    ) -> None:
+        self.kind = kind
+        self.max_bytes = max_bytes
+        self._copy = copy
+        self.usable = alive  # type: ignore[method-assign]  # (one call less per pull)
+        self._cache_id = cache_id
+        self._keep = keep
+        self._holds = holds
+
+    def usable(self) -> bool:  # replaced per instance by ``alive``
+        raise NotImplementedError
+
+    def pull(self, src_blocks: list[int], dst_blocks: list[int], span: tuple[int, int, int]) -> int:
+        holds = self._holds
+        if holds:
+            return self._pull_held(src_blocks, dst_blocks, span)
+        try:
+            n = self._copy.pull(src_blocks, dst_blocks, *span)
+        except _native.NativeError as e:
+            raise from_native(e) from e
+        except (TypeError, OverflowError):
+            return 0  # an id the native side cannot take: the whole path's checks say why
+        return n if n >= 0 else self._refused(n)
+
+    def _pull_held(
+        self, src_blocks: list[int], dst_blocks: list[int], span: tuple[int, int, int]
+    ) -> int:
+        held: list[CacheEntry] = []
+        try:
+            for entry in self._holds:
+                if entry.freed:
+                    return 0
+                try:
+                    entry.hold()
+                except LLMException:  # freed meanwhile, from another thread: nothing moved
+                    return 0
+                held.append(entry)
+            try:
+                n = self._copy.pull(src_blocks, dst_blocks, *span)
+            except _native.NativeError as e:
+                raise from_native(e) from e
+            except (TypeError, OverflowError):
+                return 0
+        finally:
+            for entry in held:
+                entry.release()
+        return n if n >= 0 else self._refused(n)
+
+    def _refused(self, code: int) -> int:
+        if code != LANE_REVOKED:
+            return 0  # declined, or the lease was stale before a byte moved
+        raise failure(
+            LLMStatusCode.LLM_FAILED,
+            f"the owner revoked the lease of cache {self._cache_id} mid-copy (it was "
+            "unregistered, freed or re-registered): the bytes copied are not valid",
+        )
+
+
+LANE_REVOKED = -3
+"""``LaneCopy.pull``: the lease was revoked while the bytes moved (ext/core.hpp)."""
+
+
 class Path(abc.ABC):
     """The data path of one link.
 
@@ -169,6 +307,11 @@ class Path(abc.ABC):
         for part in cut.plans(plan):
             await self.pull(part, remote, local, call)
             cut.signal()
+
+    def lane(self, remote: CacheEntry, local: CacheEntry) -> Lane | None:
+        """A :class:`Lane` for small pulls from ``remote`` into ``local`` over the path
+        the last transfer between them took, or None (the default: no fast lane)."""
+        return None
 
     async def refresh(self, deadline: float | None) -> bool:
         """Brings :attr:`remote_table` up to date; False when it always is."""

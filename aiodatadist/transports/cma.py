@@ -18,7 +18,7 @@ from .._executor import ONE_SIDED_INLINE_MAX_BYTES
 from .._leases import leased
 from ..config import DataPath
 from ..errors import LLMStatusCode, failure
-from .base import Call, LayerCut, Path
+from .base import Call, CopyLane, LayerCut, Path
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry, CacheTable
@@ -64,6 +64,30 @@ class CmaPath(Path):
     ) -> Callable[[_native.Control], None]:
         page, slot, gen = await self._lease(call, remote)
         return leased(page, slot, gen, None, remote.cache_id, job)
+
+    def lane(self, remote: CacheEntry, local: CacheEntry) -> CopyLane | None:
+        fds = self.fds
+        if fds is None or fds.closed:
+            return None
+        page = fds.page
+        if page is None or remote.lease is None:
+            return None
+        slot, gen = remote.lease
+        copy = _native.LaneCopy(
+            self.pid,
+            remote.geometry,
+            local.geometry,
+            remote.addrs,
+            local.addrs,
+            page.addr(slot),
+            gen,
+            ONE_SIDED_INLINE_MAX_BYTES,
+        )
+
+        def alive() -> bool:
+            return not fds.closed and fds.page is page and not page.seg.closed
+
+        return CopyLane(DataPath.CMA, copy, alive, remote.cache_id, keep=(page,))
 
     async def pull(
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call

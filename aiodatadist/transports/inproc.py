@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING
 
 from .. import _native
 from .._caches import require_host_memory
+from .._executor import INLINE_MAX_BYTES
 from ..config import DataPath
-from .base import Call, LayerCut, Path, local_copy
+from .base import Call, CopyLane, LayerCut, Path, local_copy
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry, CacheTable
@@ -36,6 +37,23 @@ class InprocPath(Path):
         await call.run(
             functools.partial(local_copy, plan, remote.addrs, local.addrs, call.mover_threads),
             local_bytes=plan.total_bytes,
+        )
+
+    def lane(self, remote: CacheEntry, local: CacheEntry) -> CopyLane | None:
+        if remote.device_id is not None or local.device_id is not None:
+            return None
+        # In one process the inline bound of local copies applies (INLINE_MAX_BYTES).
+        copy = _native.LaneCopy(
+            0, remote.geometry, local.geometry, remote.addrs, local.addrs, 0, 0, INLINE_MAX_BYTES
+        )
+        # The peer's cache is this process's: held while a copy runs (a free waits).
+        return CopyLane(
+            DataPath.INPROC,
+            copy,
+            lambda: not remote.freed,
+            remote.cache_id,
+            holds=(remote,),
+            max_bytes=INLINE_MAX_BYTES,
         )
 
     async def push(

@@ -25,8 +25,8 @@ from .. import _native
 from .._fdchannel import HELLO_TIMEOUT, FdChannel, connect_channel
 from .._leases import LeaseBook
 from ..config import DataPath
-from ..errors import LLMStatusCode, failure
-from .base import Call, LayerCut, Path
+from ..errors import LLMException, LLMStatusCode, failure
+from .base import Call, Lane, LayerCut, Path
 from .cma import CmaPath
 from .engine import EngineAgent, EnginePath, on_device
 from .shm import ShmPath
@@ -275,6 +275,17 @@ class RemotePath(Path):
         if self.fds is not None:
             self.fds.forget(live)
         self._swept_version = version
+
+    def lane(self, remote: CacheEntry, local: CacheEntry) -> Lane | None:
+        # The lane of the path a transfer between these two caches takes now (settled:
+        # a pull went the whole way just before).
+        if not self.fds_settled.is_set():
+            return None
+        try:
+            path = self.path_for(remote, local)
+        except LLMException:
+            return None
+        return path.lane(remote, local)
 
     async def pull(
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call

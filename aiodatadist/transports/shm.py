@@ -18,7 +18,7 @@ from .._executor import ONE_SIDED_INLINE_MAX_BYTES
 from .._leases import leased
 from ..config import DataPath
 from ..errors import LLMStatusCode, failure, from_native
-from .base import Call, LayerCut, Path
+from .base import Call, CopyLane, LayerCut, Path
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry, CacheTable
@@ -138,6 +138,43 @@ class ShmPath(Path):
                 lease,
             )
         return leased(page, slot, gen, None, remote.cache_id, copy)
+
+    def lane(self, remote: CacheEntry, local: CacheEntry) -> CopyLane | None:
+        fds = self.fds
+        if fds is None or fds.closed:
+            return None
+        page = fds.page
+        name = remote.shm_name
+        if page is None or remote.lease is None or name is None:
+            return None
+        key = (name, False)
+        seg = self._maps.get(key)
+        if seg is None or seg.closed or seg.size < remote.shm_size:
+            return None  # (the pull that went the whole way mapped it, and checked it)
+        slot, gen = remote.lease
+        addrs = [seg.addr + off for off in remote.shm_offsets]
+        copy = _native.LaneCopy(
+            0,
+            remote.geometry,
+            local.geometry,
+            addrs,
+            local.addrs,
+            page.addr(slot),
+            gen,
+            ONE_SIDED_INLINE_MAX_BYTES,
+        )
+        maps = self._maps
+
+        def alive() -> bool:
+            return (
+                not fds.closed
+                and fds.page is page
+                and not page.seg.closed
+                and maps.get(key) is seg
+                and not seg.closed
+            )
+
+        return CopyLane(DataPath.SHM, copy, alive, remote.cache_id, keep=(page, seg))
 
     async def pull(
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
