@@ -4,9 +4,11 @@ A decoder pulls a request's few blocks from the same prompt cache into the same 
 cache, call after call. Once a ``pull_blocks`` between a peer's cache and a local one went
 the whole way (:func:`aiodatadist._runner.run`: plan, slot, holds, path, lease), the data
 path may offer a :class:`~aiodatadist.transports.base.Lane` for that pair (the one-sided
-paths do: ``inproc``, ``shm``, ``cma``). :class:`FastPulls` keeps it, and takes the next
-pulls of at most :attr:`Lane.max_bytes` between the same two caches, with the same layer
-ranges and tensors per layer, straight to it, **on the loop thread, with no await**:
+paths do: ``inproc``, ``shm``, ``cma``; so does ``nixl`` on one host, once its small posts
+complete inside the call: ``transports/engine_lane.py``). :class:`FastPulls` keeps it,
+and takes the next pulls of at most :attr:`Lane.max_bytes` between the same two caches,
+with the same layer ranges and tensors per layer, straight to it, **on the loop thread,
+with no await**:
 
 * nothing can get in between: the link's slot is free and nobody waits for it, so
   upstream's one-transfer-per-link rule holds without taking it (no other task runs

@@ -38,7 +38,13 @@ Pulls: **1 GiB** = 64 random non-contiguous blocks of every tensor (4096 descrip
 256 KiB, ``random_blocks(pool, pool, 64, seed)``), each sample one pull, in GB/s; the
 sides take turns within a round, the order rotated each round. **tiny** = block 1 of
 tensor 0 into block 2 (256 KiB), each pull timed on its own; ``--tiny-repeats`` pulls per
-side in ``--tiny-rounds`` rotated rounds after ``--warmup``. Between its turns a side's
+side in ``--tiny-rounds`` rotated rounds after ``--warmup``. **tinynew** = the same size,
+but every pull names other blocks (the pool's ``pool * (pool - 1)`` block pairs of tensor
+0, shuffled, in turn: ``engines.rotation``), as a decoder pulling each request's own
+blocks does: what a request or handle cache keyed by blocks cannot hide. It is compared
+with the direct modes that make their requests per pull (NIXL ``fresh``, Mooncake
+``sync`` and ``window``); **tiny** with every mode (NIXL ``reuse``, one handle posted
+again, is the honest peer of a repeated pull). Between its turns a side's
 processes are stopped (SIGSTOP: an idle NIXL agent's progress thread polls); after a
 resume it re-warms with 3 untimed tiny pulls. Every side's bytes are checked (a weighted
 checksum of the destination blocks, against the pattern's) after the warm-up and at
@@ -101,10 +107,13 @@ from aiodatadist.testing import (  # noqa: E402
 from aiodatadist.types import BlocksCacheKey, LLMRole  # noqa: E402
 
 WORKLOAD = WORKLOADS["llama8b-fp16"]
-BIG, TINY = "big", "tiny"
+BIG, TINY, TINY_NEW = "big", "tiny", "tinynew"
 GOAL_BIG = 0.95  # aiodatadist GB/s >= this x direct
 GOAL_TINY = 1.2  # aiodatadist p50 latency <= this x direct
 MODES = {"nixl": engines.NIXL_MODES, "mooncake": engines.MOONCAKE_MODES}
+NEW_BLOCK_MODES = {"nixl": ("fresh",), "mooncake": ("sync", "window")}
+"""The direct modes that make their requests for each pull: the ones a pull of new blocks
+(``tinynew``) is compared with (``reuse`` posts one handle of fixed blocks again)."""
 ENGINE_NAMES = {"nixl": "NIXL", "mooncake": "Mooncake"}
 
 
@@ -119,6 +128,7 @@ def make_layout(pool: int, blocks: int, seed: int) -> dict[str, Any]:
         "pulls": {
             BIG: {"src": src, "dst": dst, "tensors": [0, WORKLOAD.num_tensors]},
             TINY: {"src": [1], "dst": [2], "tensors": [0, 1]},
+            TINY_NEW: {"src": [1], "dst": [2], "tensors": [0, 1], "rotate": seed},
         },
     }
 
@@ -138,6 +148,10 @@ def pull_bytes(layout: dict[str, Any], pull: str) -> int:
 _TIMED: tuple[tuple[int, str, str | None, str, str], ...] = (
     (0, "aiodatadist.cache_manager", None, "blocks_pull_request", "checks + request"),
     (0, "aiodatadist._runner", None, "run", "runner: slot, path, transfer"),
+    (0, "aiodatadist._lanes", "FastPulls", "pull", "fast lane (kept lanes, checks)"),
+    (1, "aiodatadist.transports.engine_lane", "EngineLane", "pull", "engine lane pull"),
+    (2, "aiodatadist.transports.engine_lane", "EngineLane", "_prepare", "lane: a new request"),
+    (2, "aiodatadist.transports.nixl", "NixlConn", "post_inline", "nixl post, inline"),
     (1, "aiodatadist.transports.engine", "EnginePath", "pull", "engine path pull"),
     (2, "aiodatadist.transports.engine", "EnginePath", "_ready", "engine conn ready"),
     (2, "aiodatadist._fdchannel", "FdChannel", "peer_page", "lease page (fd channel)"),
@@ -147,6 +161,8 @@ _TIMED: tuple[tuple[int, str, str | None, str, str], ...] = (
     (4, "nixl_cu12._api", "nixl_agent", "transfer", "nixl transfer (post)"),
     (4, "nixl_cu12._api", "nixl_agent", "check_xfer_state", "nixl check_xfer_state"),
     (4, "nixl_cu12._api", "nixl_agent", "initialize_xfer", "nixl initialize_xfer"),
+    (4, "nixl_cu12._api", "nixl_agent", "make_prepped_xfer", "nixl make_prepped_xfer"),
+    (4, "nixl_cu12._api", "nixl_agent", "release_xfer_handle", "nixl release_xfer_handle"),
     (4, "nixl_cu12._api", "nixl_agent", "get_xfer_descs", "nixl get_xfer_descs"),
     (4, "aiodatadist.transports.nixl", "NixlConn", "_requests", "nixl prepared-request lookup"),
     (4, "mooncake.engine", "TransferEngine", "transfer_sync_read", "mooncake sync read"),
@@ -308,6 +324,8 @@ class EngineDecoder(PeerCommands):
         if status != LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link_clusters failed: {status.name}")
         self.src_key = BlocksCacheKey(cid, spec.model_id)
+        self.turns: dict[str, list[tuple[int, int]]] = {}
+        self.turn: dict[str, int] = {}
         return {}
 
     async def _pull(self, pull: str) -> None:
@@ -315,8 +333,16 @@ class EngineDecoder(PeerCommands):
         t0, n = p["tensors"]
         tpl = WORKLOAD.tensors_per_layer if n == WORKLOAD.num_tensors else n
         layers = range(t0 // tpl, (t0 + n) // tpl)
+        src, dst = p["src"], p["dst"]
+        turns = self.turns.get(pull)
+        if turns is None:
+            turns = self.turns[pull] = engines.rotation(self.layout, pull)
+            self.turn[pull] = 0
+        if turns:  # a rotating pull: new blocks every time, as engines._Initiator takes them
+            self.turn[pull] = i = (self.turn[pull] + 1) % len(turns)
+            src, dst = [turns[i][0]], [turns[i][1]]
         await self.dd.cache_manager.pull_blocks(
-            self.src_key, self.cache, p["src"], p["dst"], src_layer_range=layers,
+            self.src_key, self.cache, src, dst, src_layer_range=layers,
             dst_layer_range=layers, tensor_num_per_layer=tpl, timeout=120.0,
         )  # fmt: skip
 
@@ -344,6 +370,8 @@ class EngineDecoder(PeerCommands):
         views = [self.dst[t, d] for t, _, d in engines.layout_segments(self.layout, pull)]
         for v in views:
             v[...] = 0
+        if self.turns.get(pull):
+            self.turn[pull] = len(self.turns[pull]) - 1  # the next pull takes the first pair
         await self._pull(pull)
         got = await asyncio.to_thread(engines.gathered_checksum, views)
         return {"ok": True, "sum": str(got)}
@@ -494,6 +522,13 @@ async def measure(
         await _check(s, pull, pause)
 
 
+def _new_block_sides(engine: str, sides: list[Side]) -> list[Side]:
+    """The sides a pull of new blocks (``tinynew``) is measured on: aiodatadist and the
+    direct modes that make their requests per pull (:data:`NEW_BLOCK_MODES`)."""
+    keep = NEW_BLOCK_MODES[engine]
+    return [s for s in sides if not isinstance(s, DirectSide) or s.mode in keep]
+
+
 def _why(e: BaseException) -> str:
     return (str(e).strip().replace("\n", " ") or type(e).__name__)[:300]
 
@@ -520,6 +555,12 @@ def report(
     what = f"{title}: {segs} descriptors of {layout['block_bytes'] // 1024} KiB"
     if not big:
         what = f"tiny pull (1 block x 1 tensor): {nbytes // 1024} KiB"
+    if pull == TINY_NEW:
+        pairs = len(engines.rotation(layout, pull))
+        what = (
+            f"tiny pull of new blocks (1 block x 1 tensor, {nbytes // 1024} KiB; {pairs} "
+            "block pairs in turn)"
+        )
     unit = "GB/s" if big else "us"
     lines = [f"-- {ENGINE_NAMES[engine]}, {what}"]
     if big:
@@ -686,7 +727,8 @@ def breakdown_lines(engine: str, pull: str, reply: dict[str, Any], sides: list[S
 async def breakdown(
     engine: str, aiod: AiodSide, sides: list[Side], k: int, pause: bool
 ) -> tuple[list[str], dict[str, Any]]:
-    """``k`` tiny pulls and ``max(2, k // 100)`` big ones with timers on (aiodatadist side)."""
+    """``k`` tiny pulls (of each kind) and ``max(2, k // 100)`` big ones with timers on
+    (aiodatadist side)."""
     lines = [
         f"-- where aiodatadist's time goes ({ENGINE_NAMES[engine]}; timers on, which adds a "
         "little to every timed call)"
@@ -697,7 +739,7 @@ async def breakdown(
     try:
         if pause:
             await aiod.resume()
-        for pull, n in ((TINY, k), (BIG, max(2, k // 100))):
+        for pull, n in ((TINY, k), (TINY_NEW, k), (BIG, max(2, k // 100))):
             reply = await aiod.breakdown(pull, n)
             out[pull] = {"us": reply["us"], "buckets": reply["buckets"]}
             lines += breakdown_lines(engine, pull, reply, sides)
@@ -754,6 +796,8 @@ async def bench_engine(engine: str, args: argparse.Namespace) -> tuple[list[str]
             await measure(sides, BIG, args.repeats, args.big_per_round, 1, pause)
             per_round = max(1, -(-args.tiny_repeats // args.tiny_rounds))
             await measure(sides, TINY, args.tiny_rounds, per_round, args.warmup, pause)
+            new = _new_block_sides(engine, sides)
+            await measure(new, TINY_NEW, args.tiny_rounds, per_round, args.warmup, pause)
             if args.breakdown:
                 bd_lines, out["breakdown"] = await breakdown(
                     engine, aiod, sides, args.breakdown, pause
@@ -763,8 +807,10 @@ async def bench_engine(engine: str, args: argparse.Namespace) -> tuple[list[str]
                 with contextlib.suppress(Exception):
                     await s.close()
     out["pulls"] = []
-    for pull in (BIG, TINY):
-        text, js = report(engine, layout, sides, pull)
+    for pull in (BIG, TINY, TINY_NEW):
+        text, js = report(
+            engine, layout, _new_block_sides(engine, sides) if pull == TINY_NEW else sides, pull
+        )
         lines += ["", *text]
         out["pulls"].append(js)
     if bd_lines:
@@ -824,7 +870,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engines", default="nixl,mooncake", help="comma-separated (nixl,mooncake)")
     ap.add_argument("--quick", action="store_true", help="8-block pull, 3 rounds, 60 tiny pulls")
     ap.add_argument("--blocks", type=int, default=None, help="blocks per big pull (64: 1 GiB)")
-    ap.add_argument("--pool", type=int, default=None, help="blocks per tensor (= --blocks)")
+    ap.add_argument(
+        "--pool", type=int, default=None, help="blocks per tensor (--blocks; --quick: 16)"
+    )
     ap.add_argument("--repeats", type=int, default=None, help="big-pull rounds (15)")
     ap.add_argument(
         "--big-per-round", type=int, default=1, help="big pulls per side in each round (1)"
@@ -860,7 +908,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ):  # fmt: skip
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
-    args.pool = args.blocks if args.pool is None else args.pool
+    if args.pool is None:
+        # At least 16: tinynew's 240 block pairs outnumber the requests aiodatadist keeps.
+        args.pool = max(args.blocks, 16) if q else args.blocks
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     args.modes = {
         "nixl": [m.strip() for m in args.nixl_modes.split(",") if m.strip()],

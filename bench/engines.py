@@ -144,6 +144,22 @@ def _buffer(nbytes: int) -> npt.NDArray[np.uint8]:
 # ------------------------------------------------------------------------ the layouts
 
 
+def rotation(layout: dict[str, Any], pull: str) -> list[tuple[int, int]]:
+    """The ``(src block, dst block)`` pairs a *rotating* pull (``"rotate": seed`` in its
+    spec) takes in turn, one per pull: every pair of two different blocks of the pool,
+    shuffled by the seed, starting with the pull's own ``src[0]``, ``dst[0]`` (what
+    :func:`layout_segments` and the checks see: a check pulls that pair). A pull without
+    ``rotate`` has none."""
+    p = layout["pulls"][pull]
+    if "rotate" not in p:
+        return []
+    pool = int(layout["pool"])
+    first = (int(p["src"][0]), int(p["dst"][0]))
+    pairs = [(s, d) for s in range(pool) for d in range(pool) if s != d and (s, d) != first]
+    order = np.random.default_rng(int(p["rotate"])).permutation(len(pairs))
+    return [first, *(pairs[i] for i in order)]
+
+
 def layout_segments(layout: dict[str, Any], pull: str) -> list[tuple[int, int, int]]:
     """``(tensor, src_block, dst_block)`` of each segment of a layout's pull, in the order
     the descriptors are listed (tensor after tensor; within one, the pull's block pairs)."""
@@ -262,6 +278,8 @@ class _Pull:
         self.local, self.remote, self.lens, self.views = local, remote, lens, views
         self.handle: Any = None  # NIXL, mode reuse: made on its first pull
         self.chunks: list[Any] = []  # NIXL, mode chunked: made on its first pull
+        self.turns: list[_Pull] = []  # a rotating pull: the pulls it takes in turn
+        self.turn = 0
 
 
 class _Initiator:
@@ -327,6 +345,11 @@ class _Initiator:
 
     def pull(self, name: str, mode: str) -> None:
         p = self.pulls[name]
+        if p.turns:  # a rotating pull: new blocks every time
+            if mode in ("reuse", "chunked"):
+                raise RuntimeError(f"mode {mode!r} keeps its handles: not for new blocks")
+            p.turn = (p.turn + 1) % len(p.turns)
+            p = p.turns[p.turn]
         if self.engine == "nixl":
             if mode == "reuse":
                 if p.handle is None:
@@ -441,7 +464,11 @@ class _Initiator:
         return asyncio.run(go())
 
     def zero(self, name: str) -> None:
-        for v in self.pulls[name].views:
+        """Clears the pull's destination (a rotating pull: its first pair's, which its next
+        pull then takes: what ``sum`` checks)."""
+        p = self.pulls[name]
+        p.turn = len(p.turns) - 1 if p.turns else 0
+        for v in p.views:
             v[...] = 0
 
     def sum(self, name: str) -> int:
@@ -486,14 +513,20 @@ def _layout_pulls(layout: dict[str, Any], info: dict[str, Any]) -> tuple[Any, di
     mine = [int(t.ctypes.data) for t in bufs]
     theirs = [int(a) for a in info["addrs"]]
     pulls = {}
-    for name in layout["pulls"]:
-        segs = layout_segments(layout, name)
-        pulls[name] = _Pull(
+
+    def make(segs: list[tuple[int, int, int]]) -> _Pull:
+        return _Pull(
             [mine[t] + d * bb for t, _, d in segs],
             [theirs[t] + s * bb for t, s, _ in segs],
             [bb] * len(segs),
             [bufs[t, d] for t, _, d in segs],
         )
+
+    for name, spec in layout["pulls"].items():
+        pulls[name] = make(layout_segments(layout, name))
+        t0, n = spec["tensors"]
+        tensors = range(t0, t0 + n)
+        pulls[name].turns = [make([(t, s, d) for t in tensors]) for s, d in rotation(layout, name)]
     return bufs, pulls
 
 
@@ -511,8 +544,8 @@ def _initiator(args: argparse.Namespace) -> None:
             args.engine, regions, pulls, info, args.mc_batch, args.mc_window, args.nixl_chunk
         )
         default_mode = "reuse" if args.engine == "nixl" else "sync"
-        for name in pulls:
-            ini.run(1, name, default_mode)  # connects (both engines link on the first transfer)
+        for name, p in pulls.items():  # connects (both engines link on the first transfer)
+            ini.run(1, name, "fresh" if p.turns and args.engine == "nixl" else default_mode)
         _reply(f"ready {target.pid}")
         for line in sys.stdin:
             cmd, *rest = line.split()

@@ -20,6 +20,15 @@ is cut into requests of 8 MiB, the abort is checked between them (nothing in fli
 and a request in flight is released (cancelled) or, when NIXL cannot cancel it,
 waited for; see :mod:`aiodatadist.transports.nixl`. Mooncake: see its module.
 
+Small pulls (at most ``ONE_SIDED_INLINE_MAX_BYTES``) skip what they can of the executor
+(:mod:`aiodatadist.transports.engine_lane`): on one host, once a connection's small read
+completed inside the engine's post (NIXL over UCX's CMA), later ones are posted inline on
+the loop thread, and :meth:`EnginePath.lane` offers the runner an :class:`EngineLane`
+(never between hosts: a control-plane lease per transfer cannot be synchronous). An
+engine whose submit only queues (Mooncake) submits a small pull on the loop thread
+(:meth:`EngineConn.begin`) and the executor only waits for it: the hand-off overlaps
+the network round trip.
+
 Engine modules (``transports/nixl.py``, ``transports/mooncake.py``) are imported
 only when that engine is probed or started: ``import aiodatadist`` imports no
 engine package.
@@ -38,21 +47,27 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _engine_lease, _native
 from .._executor import ONE_SIDED_INLINE_MAX_BYTES
-from .._leases import leased
+from .._leases import LeaseStale, leased
 from ..config import DataPath
 from ..errors import LLMException, LLMStatusCode, failure
-from .base import Call, Path
+from .base import Call, Lane, Path
+from .engine_lane import LANE_REQUESTS, Begun, EngineLane, InlineRead, lease_end
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry, CacheTable
     from .._fdchannel import FdChannel
+    from .._leases import LeasePage
     from .peer import ControlLink
 
 __all__ = [
     "EngineAgent",
     "EngineConn",
+    "EngineLane",
     "EnginePath",
+    "InlineRead",
     "EngineUnavailable",
+    "Begun",
+    "LANE_REQUESTS",
     "engine_class",
     "engine_problem",
     "on_device",
@@ -88,7 +103,56 @@ class EngineUnavailable(Exception):
 
 class EngineConn(abc.ABC):
     """This agent's connection to one peer's agent (one link). Every method blocks: it
-    runs on the instance's executor, never on the event loop."""
+    runs on the instance's executor, never on the event loop (but :meth:`prepare_inline`,
+    :meth:`post_inline` and :meth:`begin`, which never wait on the network).
+
+    Attributes:
+        completes_inline: the last small host-memory request posted on this connection
+            completed inside the post call (UCX over CMA): only then does its path run
+            small reads inline on the loop or offer an :class:`EngineLane`.
+        begins: :meth:`begin` may submit (the engine's submit only queues).
+    """
+
+    completes_inline: bool = False
+    begins: bool = False
+
+    def prepare_inline(
+        self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry
+    ) -> InlineRead | None:
+        """Makes (or finds) the engine request of a small READ of ``plan`` from ``remote``
+        into ``local`` for :meth:`post_inline` (on the loop thread; nothing moves).
+
+        Returns:
+            None when the engine has no such fast read or refused the request (the
+            whole path then says why).
+        """
+        return None
+
+    def begin(
+        self, op: str, plan: _native.Plan, local: CacheEntry, remote: CacheEntry
+    ) -> Begun | None:
+        """Submits a small transfer's requests now, on the loop thread, when the engine's
+        submit never waits on the network (Mooncake: it queues them); the executor then
+        only waits for them (:meth:`Begun.job`). The caller holds the remote cache's lease.
+
+        Returns:
+            None when the engine takes no such start (nothing was submitted).
+        """
+        return None
+
+    def post_inline(self, req: InlineRead) -> bool:
+        """Posts a request of :meth:`prepare_inline` on the calling (loop) thread, under
+        the remote cache's lease (the caller holds it); it lands inside the post.
+
+        Returns:
+            True once every byte landed; False when nothing was posted (the request
+            was released meanwhile: make it again).
+
+        Raises:
+            LLMException: posted, and it failed or did not complete within a few
+                milliseconds (then handled as an aborted transfer: see the engine).
+        """
+        return False
 
     @abc.abstractmethod
     def update(self, peer_info: dict[str, Any]) -> None:
@@ -312,6 +376,50 @@ class EnginePath(Path):
         conn: EngineConn = await call.run(sync)
         return conn
 
+    async def _begin(
+        self,
+        call: Call,
+        plan: _native.Plan,
+        remote: CacheEntry,
+        local: CacheEntry,
+        lease: tuple[LeasePage, int, int] | None,
+    ) -> bool:
+        """A small pull submitted on the loop thread and waited for on the executor
+        (:meth:`EngineConn.begin`), under the lease page's lease when ``lease`` is given
+        (else the caller holds a control-plane lease); False: the engine did not take it
+        (nothing submitted)."""
+        conn = self._conn
+        if conn is None or not conn.begins or plan.total_bytes > ONE_SIDED_INLINE_MAX_BYTES:
+            return False
+        addr = 0
+        if lease is not None:
+            page, slot, gen = lease
+            addr = page.addr(slot)
+            if not _native.lease_enter(addr, gen):
+                raise failure(
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                    f"the peer re-registered or freed cache {remote.cache_id} (its lease is "
+                    "no longer current)",
+                    kind=LeaseStale,
+                )
+        try:
+            begun = conn.begin("READ", plan, local, remote)
+        except BaseException:
+            if lease is not None:
+                _native.lease_exit(addr)
+            raise
+        if begun is None:
+            if lease is not None:
+                _native.lease_exit(addr)
+            return False
+        if lease is not None:
+            begun.on_end = functools.partial(lease_end, lease[0], addr, lease[2], remote)
+        try:
+            await call.run(begun.job)
+        finally:
+            begun.abandon(local)  # (nothing to do once the job ran)
+        return True
+
     async def _run(
         self,
         call: Call,
@@ -319,13 +427,21 @@ class EnginePath(Path):
         remote: CacheEntry,
         local: CacheEntry,
         job: Callable[..., None],
+        begin: bool = False,
     ) -> None:
         if self.fds is not None and not self.fds.closed and remote.lease is not None:
             page = await self.fds.peer_page(call.deadline)
             slot, gen = remote.lease
-            # Same host, host memory, the kernel lets us read the peer (``inline_ok``):
-            # UCX moves it over CMA inside the post, so a tiny one runs inline, as cma.
-            inline = self.inline_ok and on_device(remote) is None and on_device(local) is None
+            # Same host, host memory, the kernel lets us read the peer (``inline_ok``), and
+            # the connection's small reads complete inside the post (UCX over CMA): a tiny
+            # one runs inline, as cma (the first one ran on the executor and proved it).
+            inline = self._inline(remote, local)
+            if (
+                begin
+                and not inline
+                and await self._begin(call, plan, remote, local, (page, slot, gen))
+            ):
+                return
             await call.run(
                 leased(page, slot, gen, None, remote.cache_id, job),
                 local_bytes=plan.total_bytes if inline else -1,
@@ -334,14 +450,42 @@ class EnginePath(Path):
             )
             return
         async with _engine_lease.remote_lease(self.peer, remote, call.deadline):
-            await call.run(job)
+            if not begin or not await self._begin(call, plan, remote, local, None):
+                await call.run(job)
+
+    def _inline(self, remote: CacheEntry, local: CacheEntry) -> bool:
+        conn = self._conn
+        return (
+            self.inline_ok
+            and conn is not None
+            and conn.completes_inline
+            and on_device(remote) is None
+            and on_device(local) is None
+        )
+
+    def lane(self, remote: CacheEntry, local: CacheEntry) -> Lane | None:
+        """An :class:`EngineLane` from ``remote`` into ``local``, or None: only on one host
+        (the link's fd channel and the peer's lease page are up), host memory, and a
+        connection whose small reads were seen to complete inside the post."""
+        fds, conn = self.fds, self._conn
+        if fds is None or fds.closed or fds.page is None or fds.page.seg.closed:
+            return None
+        if conn is None or remote.lease is None or not self._inline(remote, local):
+            return None
+        info = self.peer.info.engines.get(self.agent.kind.value)
+        if info is None or info is not self._seen:
+            return None  # the peer's agent changed: the whole path updates the connection
+        try:
+            return EngineLane(self, conn, info, fds.page, remote, local)
+        except LLMException:
+            return None  # a lease slot outside the peer's page: the whole path says so
 
     async def pull(
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
     ) -> None:
         conn = await self._ready(call)
         job = functools.partial(conn.read, plan, remote, local)
-        await self._run(call, plan, remote, local, job)
+        await self._run(call, plan, remote, local, job, begin=True)
 
     async def push(
         self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call

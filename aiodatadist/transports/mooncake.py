@@ -16,9 +16,12 @@ the throwaway scripts drove ``TransferEngine`` directly):
   non-blocking probe, and it looks at the *first* request of a batch only. So every
   request here is a batch of one (a piece of at most :data:`PIECE_BYTES`), up to
   :data:`WINDOW` of them in flight per transfer; the oldest is polled from the
-  executor thread (a short spin of :data:`SPIN_S`, then sleeps doubling from 20 us to
-  1 ms), completed ones are replaced by the next pieces. Tiny pulls: one submit and
-  the spin; ``MooncakeConn.read`` of 4 KiB / 64 KiB took 0.9-1.3x the time of
+  executor thread (a short spin of :data:`SPIN_S` that yields the CPU, then sleeps
+  doubling from 20 us to 1 ms), completed ones are replaced by the next pieces. A submit
+  only queues (with the peer SIGSTOPped it returned in ~30 us, the request in flight),
+  so a pull of at most :data:`BEGIN_MAX_BYTES` is submitted on the loop thread
+  (``MooncakeConn.begin``) and the executor only waits for it. Tiny pulls: one submit
+  and the spin; ``MooncakeConn.read`` of 4 KiB / 64 KiB took 0.9-1.3x the time of
   ``transfer_sync_read`` driven directly (itself a busy loop), medians 1.27 / 1.04 on
   this 2-core host under a load of 5 (quiet: 55 us both); the poller used ~0.6 of a
   core in a loop of tiny pulls. 1 GiB in 4096 x 256 KiB descriptors: 1.0-2.0 GiB/s
@@ -97,7 +100,7 @@ import numpy as np
 from .. import _native
 from ..config import DataPath
 from ..errors import LLMStatusCode, failure
-from .engine import EngineAgent, EngineConn, EngineUnavailable, on_device
+from .engine import Begun, EngineAgent, EngineConn, EngineUnavailable, on_device
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry
@@ -117,6 +120,8 @@ PEER_QUEUE = 256
 """Requests in flight to one peer segment over all connections (Mooncake queues 1024)."""
 SPIN_S = 500e-6
 """How long a transfer polls without sleeping first (a tiny one lands in ~50 us)."""
+BEGIN_MAX_BYTES = 256 * 1024
+"""Pulls up to this size are submitted on the loop thread (``MooncakeConn.begin``)."""
 
 _WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 _SMALL_PLAN = 16  # segments up to which a plan is turned into requests without numpy
@@ -318,6 +323,8 @@ class MooncakeAgent(EngineAgent):
 class MooncakeConn(EngineConn):
     """The way to one peer's Mooncake segment (it holds no engine resource of its own)."""
 
+    begins = True  # (a submit only queues: see ``begin``)
+
     def __init__(self, agent: MooncakeAgent, peer_info: dict[str, Any]) -> None:
         self.agent = agent
         self.segment = ""
@@ -350,68 +357,135 @@ class MooncakeConn(EngineConn):
         remote: CacheEntry,
         control: _native.Control,
     ) -> None:
-        te = self.agent.te
+        _Transfer(self, op, plan, local, remote).run(control)
+
+    def begin(
+        self, op: str, plan: _native.Plan, local: CacheEntry, remote: CacheEntry
+    ) -> Begun | None:
+        """A small READ's requests submitted now, on the loop thread: a submit only queues
+        them (it returned in ~30 us with the peer stopped), so the network round trip
+        overlaps the executor's hand-off; the executor polls them (see ``EngineConn``)."""
+        if op != "READ" or plan.total_bytes > BEGIN_MAX_BYTES:
+            return None
+        t = _Transfer(self, op, plan, local, remote)
+        if len(t.ns) > WINDOW:
+            return None
+        t.fill(False, wait=False)
+        if not t.flight:
+            return None  # nothing submitted (the peer's queue is full): the whole job
+        return _Begun(t)
+
+
+class _Transfer:
+    """The requests of one transfer, each a batch of one (a piece of at most
+    :data:`PIECE_BYTES`), at most :data:`WINDOW` in flight, the oldest polled."""
+
+    def __init__(
+        self, conn: MooncakeConn, op: str, plan: _native.Plan, local: CacheEntry, remote: CacheEntry
+    ) -> None:
+        te = conn.agent.te
         if te is None:
             raise failure(LLMStatusCode.LLM_FAILED, "the Mooncake engine was closed")
-        los, rs, ns = _pieces(op, plan.segments(), local, remote)
-        submit = te.batch_transfer_async_read if op == "READ" else te.batch_transfer_async_write
-        check = te.transfer_check_status
-        seg, queue = self.segment, self._queue
-        flight: deque[int] = deque()
-        nxt, total = 0, len(ns)
-        error = ""
+        self.los, self.rs, self.ns = _pieces(op, plan.segments(), local, remote)
+        self.submit = (
+            te.batch_transfer_async_read if op == "READ" else te.batch_transfer_async_write
+        )
+        self.check = te.transfer_check_status
+        self.seg, self.queue, self.op = conn.segment, conn._queue, op
+        self.remote_id = remote.cache_id
+        self.flight: deque[int] = deque()
+        self.nxt = 0
+        self.error = ""
+
+    def fill(self, stop: bool, wait: bool = True) -> bool:
+        """Submits pieces while the window and the peer's queue allow; True if any."""
+        flight, queue, ns = self.flight, self.queue, self.ns
+        progressed = False
+        while not stop and self.nxt < len(ns) and len(flight) < WINDOW:
+            got = queue.acquire(timeout=1e-3) if wait and not flight else queue.acquire(False)
+            if not got:
+                break  # the peer's queue is full: poll what we have in flight
+            i = self.nxt
+            bid = self.submit(self.seg, [self.los[i]], [self.rs[i]], [ns[i]])
+            if not bid:
+                queue.release()
+                self.error = (
+                    f"Mooncake could not submit the {self.op} (segment {self.seg} unreachable?)"
+                )
+                break
+            flight.append(bid)
+            self.nxt += 1
+            progressed = True
+        return progressed
+
+    def reap(self) -> bool:
+        """Takes the completed requests off the head of the window; True if any."""
+        flight, check = self.flight, self.check
+        progressed = False
+        while flight:
+            s = check(flight[0])
+            if s == 0:
+                break
+            flight.popleft()
+            self.queue.release()
+            progressed = True
+            if s != 1 and not self.error:
+                # -1 FAILED (peer gone, address refused by the peer, queue full);
+                # -2 TIMEOUT (other transports; the batch stays allocated).
+                self.error = (
+                    f"a Mooncake {self.op} request failed (status {s}: the peer died, or "
+                    "refused an address outside its registered memory)"
+                )
+        return progressed
+
+    def run(self, control: _native.Control) -> None:
+        """Submits and polls until every piece ended (a short spin that yields the CPU,
+        then sleeps doubling from 20 us to 1 ms); raises as ``MooncakeConn.read``."""
+        total = len(self.ns)
         spin_until = time.perf_counter() + SPIN_S
         delay = 20e-6
         try:
-            while nxt < total or flight:
-                stop = bool(error) or control.aborted
-                progressed = False
-                while not stop and nxt < total and len(flight) < WINDOW:
-                    got = queue.acquire(False) if flight else queue.acquire(timeout=1e-3)
-                    if not got:
-                        break  # the peer's queue is full: poll what we have in flight
-                    bid = submit(seg, [los[nxt]], [rs[nxt]], [ns[nxt]])
-                    if not bid:
-                        queue.release()
-                        error = f"Mooncake could not submit the {op} (segment {seg} unreachable?)"
-                        break
-                    flight.append(bid)
-                    nxt += 1
-                    progressed = True
-                while flight:
-                    s = check(flight[0])
-                    if s == 0:
-                        break
-                    flight.popleft()
-                    queue.release()
-                    progressed = True
-                    if s != 1 and not error:
-                        # -1 FAILED (peer gone, address refused by the peer, queue full);
-                        # -2 TIMEOUT (other transports; the batch stays allocated).
-                        error = (
-                            f"a Mooncake {op} request failed (status {s}: the peer died, or "
-                            "refused an address outside its registered memory)"
-                        )
-                if stop and not flight:
+            while self.nxt < total or self.flight:
+                stop = bool(self.error) or control.aborted
+                progressed = self.fill(stop)
+                progressed = self.reap() or progressed
+                if stop and not self.flight:
                     break
-                if progressed or time.perf_counter() < spin_until:
+                if progressed:
                     delay = 20e-6
+                    continue
+                if time.perf_counter() < spin_until:
+                    # Yield: on a small machine the engine's own threads need this core.
+                    os.sched_yield()
                     continue
                 time.sleep(delay)
                 delay = min(delay * 2, 1e-3)
         finally:
             # Only reached with requests in flight when something raised in Python
             # (KeyboardInterrupt): Mooncake may still write them; wait for each.
-            for bid in flight:
+            for bid in self.flight:
                 with contextlib.suppress(Exception):
-                    while check(bid) == 0:
+                    while self.check(bid) == 0:
                         time.sleep(1e-3)
-                queue.release()
-        if control.aborted and (error or nxt < total):
+                self.queue.release()
+            self.flight.clear()
+        if control.aborted and (self.error or self.nxt < total):
             # The abort (deadline, cancel) is what the caller asked for: it wins over a
             # request that failed meanwhile (a stalled peer's, typically).
             raise _native.NativeError(_native.Status.ABORTED, "transfer aborted")
-        if error:
+        if self.error:
             raise failure(
-                LLMStatusCode.LLM_FAILED, f"{error}; remote cache {remote.cache_id} at {seg}"
+                LLMStatusCode.LLM_FAILED,
+                f"{self.error}; remote cache {self.remote_id} at {self.seg}",
             )
+
+
+class _Begun(Begun):
+    """A :class:`_Transfer` whose first requests were submitted on the loop thread."""
+
+    def __init__(self, transfer: _Transfer) -> None:
+        super().__init__()
+        self._t = transfer
+
+    def _wait(self, control: _native.Control) -> None:
+        self._t.run(control)

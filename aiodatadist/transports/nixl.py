@@ -32,8 +32,18 @@ What NIXL 1.5.1 does here (checked on this host: UCX over CMA, two processes):
   named are undefined, as the API says.
 * UCX over CMA moves a request *inside* ``postXferReq`` (256 MiB: ~100 ms in the post
   call, nothing to abort). A transfer is therefore cut into requests of
-  :data:`CHUNK_BYTES`; the abort (deadline, cancel) is checked between them, so it
+  :data:`~.nixl_descs.CHUNK_BYTES`; the abort (deadline, cancel) is checked between them, so it
   waits for at most one chunk and nothing is in flight when it raises.
+* Small requests: the first post to a peer does not complete inside the call (UCX
+  connects its endpoint), later ones over CMA do (256 KiB: ~7 us). A connection whose
+  last small host-memory post completed inside the call (``completes_inline``) posts
+  small reads inline on the loop thread and offers the fast lane
+  (:class:`~aiodatadist.transports.engine_lane.EngineLane`); one that did not (never
+  seen over CMA) is polled there for at most :data:`INLINE_WAIT_S`, then reaped as an
+  aborted request (the call fails, the local cache fenced until it ends) and the
+  connection's small reads go through the executor again. A small pull of whole blocks
+  is a request by indices into lists prepared once per cache (``nixl_descs``); the
+  first post of a new request still costs more than posting one again.
 * A peer that dies mid-transfer: ``postXferReq``/``getXferStatus`` raise
   ``nixlRemoteDisconnectError`` (``NIXL_ERR_REMOTE_DISCONNECT``; UCX logs requests
   "not returned to mpool"), or the request ends in ``ERR``: the call fails at once
@@ -52,12 +62,19 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from .. import _native
+from .._executor import ONE_SIDED_INLINE_MAX_BYTES
 from ..config import DataPath
-from ..errors import LLMStatusCode, failure
-from .engine import EngineAgent, EngineConn, EngineUnavailable, on_device, poll_until_done
+from ..errors import LLMException, LLMStatusCode, failure
+from .engine import (
+    EngineAgent,
+    EngineConn,
+    EngineUnavailable,
+    InlineRead,
+    on_device,
+    poll_until_done,
+)
+from .nixl_descs import SMALL_PLAN, BlockLists, chunks, dev, host, mem
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry
@@ -67,12 +84,15 @@ __all__ = ["NixlAgent", "NixlConn"]
 log = logging.getLogger("aiodatadist.transports.nixl")
 
 _CACHED_REQUESTS = 64  # prepared transfers kept per connection
-CHUNK_BYTES = 8 * 1024 * 1024
 PROGRESS_DELAY_US = 100
 """Microseconds NIXL's progress thread sleeps between rounds (see ``_paced_agent``)."""
+INLINE_MAX_BYTES = ONE_SIDED_INLINE_MAX_BYTES
+"""The largest request whose completion inside the post is tracked (``completes_inline``)."""
+INLINE_WAIT_S = 5e-3
+"""How long an inline (fast lane) request that did not complete in its post is polled on
+the loop thread before it is handled as aborted (never seen over CMA)."""
 UCX_MODULES_DEFAULT = "^efa"
 """``UCX_MODULES`` when unset: every UCX module but EFA (see ``NixlAgent.__init__``)."""
-"""Bytes per NIXL request of one transfer (an abort waits for at most one)."""
 
 
 _AGENT_LOCK = threading.Lock()
@@ -132,55 +152,37 @@ def _reap(conn: NixlConn, h: Any, local: CacheEntry, op: str) -> None:
             log.debug("NIXL: aborted %s over; cache %d takes transfers again", op, local.cache_id)
             with conn._lock:
                 conn._reaping -= 1
-                last = not conn._reaping and conn._closing
+                idle, last = not conn._reaping, not conn._reaping and conn._closing
+            if idle:
+                conn._blocks.release()  # the lists retired meanwhile
             if last:
                 conn._forget()
 
     threading.Thread(target=wait, name="aiodatadist-nixl-reaper", daemon=True).start()
 
 
-def _chunks(op: str, segs: Any, local: CacheEntry, remote: CacheEntry) -> list[tuple[Any, Any]]:
-    """(local, remote) Nx3 descriptor arrays, in chunks of about CHUNK_BYTES.
+class _Inline(InlineRead):
+    """A prepared small READ of a connection (``NixlConn.prepare_inline``): ``handles``
+    is the connection's own list, emptied (None) when it releases the request."""
 
-    NIXL over UCX's CMA moves a request inside ``postXferReq``: one request per chunk
-    bounds how long an abort (deadline, cancel) waits for the engine.
-    """
-    # READ: src = remote (columns 0, 1), dst = local (2, 3); WRITE the other way.
-    r_cols, l_cols = ((0, 1), (2, 3)) if op == "READ" else ((2, 3), (0, 1))
-    r_addrs = np.asarray(remote.addrs, dtype=np.uint64)
-    l_addrs = np.asarray(local.addrs, dtype=np.uint64)
-    r = r_addrs[segs[:, r_cols[0]].astype(np.intp)] + segs[:, r_cols[1]]
-    lo = l_addrs[segs[:, l_cols[0]].astype(np.intp)] + segs[:, l_cols[1]]
-    n = segs[:, 4]
-    if int(n.max(initial=0)) > CHUNK_BYTES:  # split long segments into CHUNK_BYTES pieces
-        pieces = (n + CHUNK_BYTES - 1) // CHUNK_BYTES
-        idx = np.repeat(np.arange(len(n)), pieces.astype(np.intp))
-        first = np.cumsum(pieces) - pieces
-        k = (np.arange(len(idx)) - first[idx]).astype(np.uint64)
-        off = k * np.uint64(CHUNK_BYTES)
-        r, lo = r[idx] + off, lo[idx] + off
-        n = np.minimum(n[idx] - off, np.uint64(CHUNK_BYTES))
-    rows = len(n)
-    rd = np.empty((rows, 3), dtype=np.uint64)
-    ld = np.empty((rows, 3), dtype=np.uint64)
-    rd[:, 0], ld[:, 0] = r, lo
-    rd[:, 1] = ld[:, 1] = n
-    rd[:, 2] = _dev(remote)
-    ld[:, 2] = _dev(local)
-    ends = np.cumsum(n)
-    if int(ends[-1]) <= CHUNK_BYTES:
-        return [(ld, rd)]
-    group = (ends - n) // np.uint64(CHUNK_BYTES)
-    cuts = np.flatnonzero(np.diff(group)) + 1
-    return list(zip(np.split(ld, cuts), np.split(rd, cuts), strict=True))
+    __slots__ = ("conn", "handles", "key", "local", "remote")
 
+    def __init__(
+        self,
+        conn: NixlConn,
+        key: tuple[Any, ...],
+        handles: list[Any],
+        nbytes: int,
+        remote: CacheEntry,
+        local: CacheEntry,
+    ) -> None:
+        super().__init__(nbytes)
+        self.conn, self.key, self.handles = conn, key, handles
+        self.remote, self.local = remote, local
 
-def _mem(entry: CacheEntry) -> str:
-    return "DRAM" if on_device(entry) is None else "VRAM"
-
-
-def _dev(entry: CacheEntry) -> int:
-    return on_device(entry) or 0
+    @property
+    def live(self) -> bool:
+        return self.handles[0] is not None
 
 
 class NixlAgent(EngineAgent):
@@ -240,15 +242,15 @@ class NixlAgent(EngineAgent):
 
     def register(self, entry: CacheEntry) -> None:
         n = entry.tensor_bytes
-        dev = _dev(entry)
-        regions = [(int(a), n, dev, "") for a in entry.addrs]
+        device = dev(entry)
+        regions = [(int(a), n, device, "") for a in entry.addrs]
         try:
             with self._lock:
-                descs = self.nx.get_reg_descs(regions, _mem(entry))
+                descs = self.nx.get_reg_descs(regions, mem(entry))
                 self.nx.register_memory(descs)
                 self._regs[entry.cache_id] = descs
         except Exception as e:
-            where = "host memory" if on_device(entry) is None else f"device {dev}"
+            where = "host memory" if on_device(entry) is None else f"device {device}"
             raise failure(
                 LLMStatusCode.LLM_PARAM_INVALID,
                 f"NIXL cannot register cache {entry.cache_id} ({where}): {e}",
@@ -289,6 +291,7 @@ class NixlConn(EngineConn):
         self._lock = threading.Lock()
         self._reaping = 0  # aborted requests still on the wire (see _reap)
         self._closing = False
+        self._blocks = BlockLists(self.nx)
         self.update(peer_info)
 
     def update(self, peer_info: dict[str, Any]) -> None:
@@ -296,6 +299,7 @@ class NixlConn(EngineConn):
         if md == self._md and self.remote_name is not None:
             return
         self._drop(lambda _key: True)
+        self._retire_lists(None)
         name = str(peer_info["name"])
         with self.agent._lock:
             owner = self.agent.owners.get(name)
@@ -335,19 +339,29 @@ class NixlConn(EngineConn):
             keys = [k for k in self._reqs if which(k)]
             dropped = [self._reqs.pop(k) for k in keys]
         for handles in dropped:
-            for h in handles:
-                if h is not None:
-                    self._release(h)
+            self._release(handles)
 
-    def _release(self, h: Any) -> None:
-        try:
-            self.nx.release_xfer_handle(h)
-        except Exception:
-            pass  # best effort: NIXL frees it with the agent
+    def _release(self, handles: list[Any]) -> None:
+        for i, h in enumerate(handles):
+            if h is not None:
+                handles[i] = None  # (a lane keeping the list sees it released)
+                try:
+                    self.nx.release_xfer_handle(h)
+                except Exception:
+                    pass  # best effort: NIXL frees it with the agent
 
     def forget_local(self, cache_id: int) -> None:
         """Releases prepared requests on local cache ``cache_id`` (it is deregistered)."""
         self._drop(lambda key: key[2] == cache_id)
+        self._retire_lists(cache_id)
+
+    def _retire_lists(self, local_cache: int | None) -> None:
+        # (their requests are dropped) Released now, or by the last reaper.
+        with self._lock:
+            self._blocks.retire(local_cache)
+            if self._reaping:
+                return
+        self._blocks.release()
 
     def _requests(
         self, op: str, plan: _native.Plan, local: CacheEntry, remote: CacheEntry
@@ -358,15 +372,21 @@ class NixlConn(EngineConn):
         if handles is not None:
             self._reqs.move_to_end(key)
             return key, handles
-        handles = [
-            self._make(op, ld, rd, local, remote) for ld, rd in _chunks(op, segs, local, remote)
-        ]
+        h = None
+        if len(segs) <= SMALL_PLAN and plan.total_bytes <= INLINE_MAX_BYTES:
+            assert self.remote_name is not None
+            h = self._blocks.request(op, segs.tolist(), local, remote, self.remote_name)
+        handles = (
+            [h]
+            if h is not None
+            else [
+                self._make(op, ld, rd, local, remote) for ld, rd in chunks(op, segs, local, remote)
+            ]
+        )
         with self._lock:
             self._reqs[key] = handles
             while len(self._reqs) > _CACHED_REQUESTS:
-                _, old = self._reqs.popitem(last=False)
-                for h in old:
-                    self._release(h)
+                self._release(self._reqs.popitem(last=False)[1])
         return key, handles
 
     def _make(self, op: str, ld: Any, rd: Any, local: CacheEntry, remote: CacheEntry) -> Any:
@@ -375,8 +395,8 @@ class NixlConn(EngineConn):
         try:
             return self.nx.initialize_xfer(
                 op,
-                self.agent.dlist(mems[_mem(local)], ld),
-                self.agent.dlist(mems[_mem(remote)], rd),
+                self.agent.dlist(mems[mem(local)], ld),
+                self.agent.dlist(mems[mem(remote)], rd),
                 self.remote_name,
             )
         except Exception as e:
@@ -399,7 +419,11 @@ class NixlConn(EngineConn):
             # Between chunks nothing is in flight: an abort there is exact.
             if i and control.aborted:
                 raise _native.NativeError(_native.Status.ABORTED, "transfer aborted")
-            self._one(key, i, h, op, remote, local, control)
+            at_once = self._one(key, i, h, op, remote, local, control)
+            if len(handles) == 1 and plan.total_bytes <= INLINE_MAX_BYTES and host(local, remote):
+                # Small requests run inline while the last one completed inside its post
+                # (the first post to a peer does not: UCX connects its endpoint then).
+                self.completes_inline = at_once
 
     def _one(
         self,
@@ -410,14 +434,16 @@ class NixlConn(EngineConn):
         remote: CacheEntry,
         local: CacheEntry,
         control: _native.Control,
-    ) -> None:
+    ) -> bool:
+        """Posts request ``i`` of ``key`` and waits for it; True when it completed inside
+        the post."""
         nx = self.nx
         try:
             state = nx.transfer(h)
         except Exception as e:
             raise self._failed(key, op, remote, e) from e
         if state == "DONE":
-            return
+            return True
         failed = state == "ERR"
 
         def check() -> bool:
@@ -438,17 +464,21 @@ class NixlConn(EngineConn):
             # So the call returns at its deadline, and the request goes to a reaper that
             # waits for it to end; until then the local cache is fenced: it stays held
             # (no free, no re-registration) and takes no transfer that writes into it.
-            with self._lock:
-                handles = self._reqs.get(key)
-            if handles is not None:
-                handles[i] = None  # the reaper owns it now
-            self._drop(lambda k: k == key)
-            _reap(self, h, local, op)
+            self._to_reaper(key, i, h, local, op)
             return True
 
         poll_until_done(check, control, abort)
         if failed:
             raise self._failed(key, op, remote, None)
+        return False
+
+    def _to_reaper(self, key: tuple[Any, ...], i: int, h: Any, local: CacheEntry, op: str) -> None:
+        with self._lock:
+            handles = self._reqs.get(key)
+        if handles is not None:
+            handles[i] = None  # the reaper owns it now
+        self._drop(lambda k: k == key)
+        _reap(self, h, local, op)
 
     def _failed(
         self, key: tuple[Any, ...], op: str, remote: CacheEntry, error: Exception | None
@@ -465,6 +495,55 @@ class NixlConn(EngineConn):
             code, f"NIXL {op} of remote cache {remote.cache_id} failed: {why} ({error or ''})"
         )
 
+    def prepare_inline(
+        self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry
+    ) -> _Inline | None:
+        """The prepared READ of a small ``plan`` (see ``EngineConn``): looked up, or made
+        (None when NIXL refuses it: nothing moved)."""
+        if self.remote_name is None or self._closing or plan.total_bytes > INLINE_MAX_BYTES:
+            return None
+        try:
+            key, handles = self._requests("READ", plan, local, remote)
+        except LLMException:
+            return None  # refused when made (the whole path says why)
+        if len(handles) != 1 or handles[0] is None:
+            return None
+        return _Inline(self, key, handles, plan.total_bytes, remote, local)
+
+    def post_inline(self, req: InlineRead) -> bool:
+        """Posts ``req`` once (loop thread). Over UCX's CMA it completes inside the post;
+        when it does not (never seen once the connection has ``completes_inline``), it
+        is polled for at most :data:`INLINE_WAIT_S`, then handled as an aborted request
+        (reaped, the local cache fenced until it ends) and the call fails; the
+        connection's small reads then go through the executor again."""
+        h = req.handles[0]  # type: ignore[attr-defined]  # (an _Inline of this connection)
+        if h is None or self._closing:
+            return False
+        try:
+            state = self.nx.transfer(h)
+            if state == "DONE":
+                return True
+            end = time.perf_counter() + INLINE_WAIT_S
+            while state == "PROC" and time.perf_counter() < end:
+                self.completes_inline = False
+                os.sched_yield()
+                state = self.nx.check_xfer_state(h)
+        except Exception as e:
+            raise self._failed(req.key, "READ", req.remote, e) from e  # type: ignore[attr-defined]
+        assert isinstance(req, _Inline)
+        key, remote = req.key, req.remote
+        if state == "DONE":
+            return True
+        if state == "ERR":
+            raise self._failed(key, "READ", remote, None)
+        self._to_reaper(key, 0, h, req.local, "READ")
+        raise failure(
+            LLMStatusCode.LLM_FAILED,
+            f"NIXL READ of remote cache {remote.cache_id} on the fast lane did not complete "
+            f"within {INLINE_WAIT_S * 1e3:g} ms: the blocks named are undefined and cache "
+            f"{req.local.cache_id} takes no transfer until the request ends",
+        )
+
     def read(
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, control: _native.Control
     ) -> None:
@@ -477,6 +556,7 @@ class NixlConn(EngineConn):
 
     def close(self) -> None:
         self._drop(lambda _key: True)
+        self._retire_lists(None)
         self.agent._conns.discard(self)
         with self._lock:
             self._closing = True
