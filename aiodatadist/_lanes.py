@@ -149,7 +149,12 @@ class FastPulls:
             return False  # (awaited from another loop: the whole path bridges it home)
         for r in routes:
             if r.dst_cache is dst_cache and (
-                r.key is key or (type(key) is BlocksCacheKey and r.key == key)
+                r.key is key
+                or (  # (a new key object per call is the common case: its two ints)
+                    type(key) is BlocksCacheKey
+                    and key._cluster_id == r.key._cluster_id
+                    and key._model_id == r.key._model_id
+                )
             ):
                 break
         else:
