@@ -196,6 +196,46 @@ class SockStep:
     def bytes_done(self) -> int: ...
     @property
     def total(self) -> int: ...
+    def step_for(self, timeout_us: int) -> bool:
+        """``step()``, then waits for readiness (GIL released) and steps again, for at most
+        ``timeout_us`` in all; True once done."""
+    @property
+    def refused(self) -> bool:
+        """The stream carried the sender's refusal of this transfer (nothing was written)."""
+    @property
+    def refusal(self) -> bytes:
+        """The refusal's body (once ``finished``)."""
+
+SOCK_REFUSAL_MAGIC: bytes
+"""What a refusal starts with instead of the stream header: magic, tag, body length."""
+SOCK_MAX_REFUSAL_BYTES: int
+
+def plan_segment_bytes(plan: Plan) -> bytes:
+    """The plan's segments as the wire's rows (5 little-endian uint64 each)."""
+
+def plan_striped(
+    plan: Plan, bounds: Sequence[int], streams: int
+) -> tuple[Plan, list[int]] | None:
+    """A layered pull on ``streams`` streams: ``plan`` reordered so that each stream's share
+    carries its part of every layer (cut by ``bounds``) in order, and where each layer's
+    part ends in a share; None when a layer's bytes do not divide by ``streams``."""
+
+def plan_from_segment_bytes(src: Geometry, dst: Geometry, data: bytes, offset: int = 0) -> Plan:
+    """A plan from wire rows (``data[offset:]``), checked like ``Plan.from_segments``."""
+
+def sock_recv_layered(
+    fds: Sequence[int],
+    plan: Plan,
+    dst_bases: Sequence[int],
+    control: Control,
+    *,
+    tag: int,
+    ends: Sequence[int],
+    efd: int,
+) -> None:
+    """``sock_recv``, adding 1 to the eventfd ``efd`` as each layer has landed: each
+    stream's share of the plan carries its part of every layer in order, ``ends[k]``
+    being where layer ``k``'s part ends in a share."""
 
 def sock_header(tag: int, nbytes: int) -> bytes:
     """The header a stream of transfer ``tag`` carrying ``nbytes`` payload bytes starts with."""

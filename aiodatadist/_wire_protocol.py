@@ -35,8 +35,10 @@ __all__ = [
     "WireError",
 ]
 
-PROTOCOL_VERSION = 2
-"""Wire protocol version: the header byte and ``HELLO.version``; peers must match."""
+PROTOCOL_VERSION = 3
+"""Wire protocol version: the header byte and ``HELLO.version``; peers must match.
+3: small tcp pulls are asked on a data stream (``transports/tcp_requests.py``), which a
+version-2 peer would never answer."""
 
 MAX_JSON = 16 * 1024 * 1024
 """Largest JSON body (``WELCOME`` and ``TABLE``, which carry the cache table)."""

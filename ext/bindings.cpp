@@ -198,6 +198,8 @@ PYBIND11_MODULE(_native, m) {
         py::kw_only(), py::arg("tag"), gil_release());
   m.def("sock_recv", &sock_recv, py::arg("fds"), py::arg("plan"), py::arg("dst_bases"), py::arg("control"),
         py::kw_only(), py::arg("tag"), gil_release());
+  m.def("sock_recv_layered", &sock_recv_layered, py::arg("fds"), py::arg("plan"), py::arg("dst_bases"),
+        py::arg("control"), py::kw_only(), py::arg("tag"), py::arg("ends"), py::arg("efd"), gil_release());
   py::class_<SockStep>(m, "SockStep")
       .def(py::init<int, const Plan&, const std::vector<uint64_t>&, bool, uint64_t>(), py::arg("fd"),
            py::arg("plan"), py::arg("bases"), py::arg("send"), py::kw_only(), py::arg("tag"))
@@ -206,7 +208,89 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("sending", &SockStep::sending)
       .def_property_readonly("fd", &SockStep::fd)
       .def_property_readonly("bytes_done", &SockStep::bytes_done)
-      .def_property_readonly("total", &SockStep::total);
+      .def_property_readonly("total", &SockStep::total)
+      .def("step_for", &SockStep::step_for, py::arg("timeout_us"), gil_release())
+      .def_property_readonly("refused", &SockStep::refused)
+      .def_property_readonly("refusal", [](const SockStep& s) { return py::bytes(s.refusal()); });
+  m.attr("SOCK_REFUSAL_MAGIC") = py::bytes(kRefusalMagic, sizeof kRefusalMagic);
+  m.attr("SOCK_MAX_REFUSAL_BYTES") = kMaxRefusalBytes;
+  // Stream requests (transports/tcp_streams): a plan's segments as the wire's rows
+  // (5 little-endian uint64 each) and back, without numpy.
+  m.def(
+      "plan_segment_bytes",
+      [](const Plan& p) {
+        const auto& segs = p.segments();
+        std::string out(segs.size() * 40, '\0');
+        for (size_t i = 0; i < segs.size(); ++i) {
+          const Segment& g = segs[i];
+          uint64_t row[5] = {g.src_tensor, g.src_off, g.dst_tensor, g.dst_off, g.nbytes};
+          for (int k = 0; k < 5; ++k)
+            for (int j = 0; j < 8; ++j) out[i * 40 + k * 8 + j] = static_cast<char>(row[k] >> (8 * j));
+        }
+        return py::bytes(out);
+      },
+      py::arg("plan"));
+  m.def(
+      "plan_from_segment_bytes",
+      [](const Geometry& src, const Geometry& dst, const py::bytes& data, size_t offset) {
+        std::string_view v(data);
+        if (offset > v.size() || (v.size() - offset) % 40 != 0)
+          throw Error(Status::PARAM_INVALID, "segments: not a whole number of 40-byte rows");
+        const auto* b = reinterpret_cast<const uint8_t*>(v.data()) + offset;
+        std::vector<Segment> segs((v.size() - offset) / 40);
+        auto u64 = [](const uint8_t* q) {
+          uint64_t x = 0;
+          for (int j = 0; j < 8; ++j) x |= static_cast<uint64_t>(q[j]) << (8 * j);
+          return x;
+        };
+        for (size_t i = 0; i < segs.size(); ++i, b += 40)
+          segs[i] = {u64(b), u64(b + 8), u64(b + 16), u64(b + 24), u64(b + 32)};
+        return Plan::from_segments(src, dst, std::move(segs));
+      },
+      py::arg("src"), py::arg("dst"), py::arg("data"), py::arg("offset") = 0);
+  // A layered tcp pull on n streams: the plan reordered so that each stream's share (as
+  // the socket movers split a plan) carries 1/n of every layer, in layer order, and where
+  // each layer's part ends in a share; None when a layer's bytes do not divide by n.
+  m.def(
+      "plan_striped",
+      [](const Plan& plan, const std::vector<uint64_t>& bounds, size_t n) -> py::object {
+        const auto& segs = plan.segments();
+        if (n == 0 || bounds.empty() || bounds.back() != segs.size())
+          throw Error(Status::PARAM_INVALID, "plan_striped: bounds must end at the segment count");
+        std::vector<std::vector<Segment>> shares(n);
+        std::vector<uint64_t> ends;
+        uint64_t at = 0;
+        size_t start = 0;
+        for (uint64_t end : bounds) {
+          if (end <= start) throw Error(Status::PARAM_INVALID, "plan_striped: bounds must ascend");
+          uint64_t size = 0;
+          for (size_t j = start; j < end; ++j) size += segs[j].nbytes;
+          if (size % n != 0) return py::none();
+          const uint64_t part = size / n;
+          size_t i = 0;
+          uint64_t left = part;
+          for (size_t j = start; j < end; ++j) {
+            const Segment& g = segs[j];
+            for (uint64_t off = 0; off < g.nbytes;) {
+              uint64_t take = std::min(g.nbytes - off, left);
+              shares[i].push_back({g.src_tensor, g.src_off + off, g.dst_tensor, g.dst_off + off, take});
+              off += take;
+              left -= take;
+              if (left == 0) {
+                ++i;
+                left = part;
+              }
+            }
+          }
+          at += part;
+          ends.push_back(at);
+          start = end;
+        }
+        std::vector<Segment> out;
+        for (auto& sh : shares) out.insert(out.end(), sh.begin(), sh.end());
+        return py::make_tuple(Plan::from_segments(plan.src(), plan.dst(), std::move(out)), ends);
+      },
+      py::arg("plan"), py::arg("bounds"), py::arg("streams"));
   m.attr("SOCK_HEADER_BYTES") = kStreamHeaderBytes;
   m.def(
       "sock_header",

@@ -179,10 +179,20 @@ long iov_max();
 constexpr size_t kStreamHeaderBytes = 24;
 constexpr char kStreamMagic[8] = {'A', 'I', 'O', 'D', 'D', 'S', 'T', '1'};
 std::array<uint8_t, kStreamHeaderBytes> stream_header(uint64_t tag, uint64_t nbytes);
+// A sender that refuses a transfer (a stream request it will not serve) sends this
+// magic, the tag and the length of a body (at most kMaxRefusalBytes) instead of the
+// stream header; the stream stays usable after the body.
+constexpr char kRefusalMagic[8] = {'A', 'I', 'O', 'D', 'D', 'S', 'E', '1'};
+constexpr size_t kMaxRefusalBytes = 4096;
 void sock_send(const std::vector<int>& fds, const Plan& plan, const std::vector<uint64_t>& src_bases,
                Control& ctl, uint64_t tag);
 void sock_recv(const std::vector<int>& fds, const Plan& plan, const std::vector<uint64_t>& dst_bases,
                Control& ctl, uint64_t tag);
+// sock_recv, adding 1 to the eventfd efd as each layer has landed: every stream's share
+// of the plan (split as sock_send splits it) carries its part of each layer in order, and
+// ends[k] is where layer k's part ends in each share (so ends.back() is a share's size).
+void sock_recv_layered(const std::vector<int>& fds, const Plan& plan, const std::vector<uint64_t>& dst_bases,
+                       Control& ctl, uint64_t tag, const std::vector<uint64_t>& ends, int efd);
 
 // One stream of a small socket transfer, moved in non-blocking steps by an event loop
 // (no thread): step() sends or receives what the socket takes or holds now and returns
@@ -193,7 +203,17 @@ class SockStep {
  public:
   SockStep(int fd, const Plan& plan, const std::vector<uint64_t>& bases, bool send, uint64_t tag);
   bool step();
-  bool finished() const { return header_off_ == kStreamHeaderBytes && idx_ == pieces_.size(); }
+  bool finished() const {
+    return header_off_ == kStreamHeaderBytes &&
+           (refused_ ? refusal_off_ == refusal_.size() : idx_ == pieces_.size());
+  }
+  // step(), then, while not finished, waits for readiness (ppoll, the caller releases
+  // the GIL) and steps again, for at most timeout_us in all: true once finished.
+  bool step_for(int64_t timeout_us);
+  // A receiver whose stream carried the sender's refusal of this transfer (a refusal
+  // header with this tag, then its body) instead of the bytes: nothing was written.
+  bool refused() const { return refused_; }
+  const std::string& refusal() const { return refusal_; }
   bool sending() const { return send_; }
   int fd() const { return fd_; }
   uint64_t bytes_done() const { return done_; }
@@ -210,6 +230,11 @@ class SockStep {
   uint64_t used_ = 0;
   std::array<uint8_t, kStreamHeaderBytes> header_{};
   size_t header_off_ = 0;
+  bool start_refusal();
+  bool read_refusal();
+  bool refused_ = false;
+  std::string refusal_;
+  size_t refusal_off_ = 0;
 };
 
 // Runs fn(i) for i in [0, n) on n threads (the caller's thread takes i = 0) and

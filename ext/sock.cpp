@@ -11,12 +11,14 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 #include <sstream>
 
 #include "core.hpp"
@@ -132,8 +134,45 @@ void check_header(const Header& h, uint64_t tag, uint64_t nbytes) {
   }
 }
 
-void stream(int fd, const std::vector<Piece>& pieces, bool send, Control& ctl, uint64_t tag) {
+// The layers of a layered receive, signalled in order: 1 is added to the eventfd once
+// every stream has received its share of a layer (and of every layer before it).
+class LayerGate {
+ public:
+  LayerGate(const std::vector<uint64_t>& ends, size_t streams, int efd)
+      : ends_(ends), reached_(streams, 0), efd_(efd) {}
+  const std::vector<uint64_t>& ends() const { return ends_; }
+  // Stream i has received `layers` layers' shares.
+  void reach(size_t i, size_t layers) {
+    std::lock_guard<std::mutex> lock(m_);
+    reached_[i] = layers;
+    size_t low = *std::min_element(reached_.begin(), reached_.end());
+    uint64_t one = 1;
+    for (; signalled_ < low; ++signalled_) {
+      while (::write(efd_, &one, sizeof one) < 0) {
+        if (errno != EINTR) sock_fail("eventfd write", errno);
+      }
+    }
+  }
+
+ private:
+  std::vector<uint64_t> ends_;  // each stream's payload offset where each layer's share ends
+  std::mutex m_;
+  std::vector<size_t> reached_;
+  size_t signalled_ = 0;
+  int efd_;
+};
+
+// gate (a receiver only): stream `index` of a layered receive reports each layer's share.
+void stream(int fd, const std::vector<Piece>& pieces, bool send, Control& ctl, uint64_t tag,
+            LayerGate* gate = nullptr, size_t index = 0) {
   NonBlocking nb(fd);
+  size_t layer = 0;
+  uint64_t received = 0;
+  auto advance = [&] {
+    size_t before = layer;
+    while (layer < gate->ends().size() && received >= gate->ends()[layer]) ++layer;
+    if (layer != before) gate->reach(index, layer);
+  };
   uint64_t part_bytes = 0;
   for (const Piece& p : pieces) part_bytes += p.nbytes;
   Header h = stream_header(tag, part_bytes);
@@ -189,6 +228,10 @@ void stream(int fd, const std::vector<Piece>& pieces, bool send, Control& ctl, u
     }
     uint64_t got = static_cast<uint64_t>(n);
     ctl.add_done(got);
+    if (gate != nullptr) {
+      received += got;
+      advance();
+    }
     // Advance (idx, used) by got bytes.
     while (got > 0) {
       uint64_t left = pieces[idx].nbytes - used;
@@ -238,6 +281,7 @@ bool SockStep::step() {
   const size_t max_iov = static_cast<size_t>(iov_max());
   std::vector<struct iovec> iov;
   while (!finished()) {
+    if (refused_) return read_refusal();
     iov.clear();
     bool in_header = header_off_ < kStreamHeaderBytes;
     if (in_header)
@@ -269,7 +313,10 @@ bool SockStep::step() {
       uint64_t h = std::min<uint64_t>(got, kStreamHeaderBytes - header_off_);
       header_off_ += h;
       got -= h;
-      if (!send_ && header_off_ == kStreamHeaderBytes) check_header(header_, tag_, total_);
+      if (!send_ && header_off_ == kStreamHeaderBytes) {
+        if (start_refusal()) return read_refusal();
+        check_header(header_, tag_, total_);
+      }
     }
     done_ += got;
     while (got > 0) {
@@ -287,6 +334,56 @@ bool SockStep::step() {
   return true;
 }
 
+// A received header that is the sender's refusal of this transfer: its body is read
+// next (into refusal_, never into the destination). A refusal of another transfer, or
+// one announcing an oversized body, is STALE like any other foreign header.
+bool SockStep::start_refusal() {
+  if (std::memcmp(header_.data(), kRefusalMagic, sizeof kRefusalMagic) != 0) return false;
+  uint64_t got_tag = get_u64(header_.data() + 8);
+  uint64_t len = get_u64(header_.data() + 16);
+  if (got_tag != tag_)
+    throw Error(Status::STALE, "data stream carries the refusal of transfer " + std::to_string(got_tag) +
+                                   ", not of transfer " + std::to_string(tag_) + "; nothing was written");
+  if (len > kMaxRefusalBytes)
+    throw Error(Status::STALE, "data stream carries a refusal of " + std::to_string(len) + " bytes (at most " +
+                                   std::to_string(kMaxRefusalBytes) + "); nothing was written");
+  refused_ = true;
+  refusal_.assign(len, '\0');
+  return true;
+}
+
+bool SockStep::read_refusal() {
+  while (refusal_off_ < refusal_.size()) {
+    ssize_t n = recv(fd_, refusal_.data() + refusal_off_, refusal_.size() - refusal_off_, MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
+      sock_fail("recv", errno);
+    }
+    if (n == 0) throw Error(Status::PEER_CLOSED, "the peer closed the connection inside its refusal");
+    refusal_off_ += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+bool SockStep::step_for(int64_t timeout_us) {
+  if (step()) return true;
+  struct timespec now{}, end{};
+  clock_gettime(CLOCK_MONOTONIC, &end);
+  int64_t end_ns = end.tv_sec * 1000000000LL + end.tv_nsec + std::max<int64_t>(timeout_us, 0) * 1000;
+  for (;;) {
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    int64_t left = end_ns - (now.tv_sec * 1000000000LL + now.tv_nsec);
+    if (left <= 0) return false;
+    struct timespec ts{static_cast<time_t>(left / 1000000000LL), static_cast<long>(left % 1000000000LL)};
+    struct pollfd pfd{fd_, static_cast<short>(send_ ? POLLOUT : POLLIN), 0};
+    int r = ppoll(&pfd, 1, &ts, nullptr);
+    if (r < 0 && errno != EINTR) sock_fail("ppoll", errno);
+    if (r > 0 && (pfd.revents & POLLNVAL)) throw Error(Status::IO_ERROR, "socket fd was closed during the transfer");
+    if (r > 0 && step()) return true;
+  }
+}
+
 std::array<uint8_t, kStreamHeaderBytes> stream_header(uint64_t tag, uint64_t nbytes) {
   std::array<uint8_t, kStreamHeaderBytes> h{};
   std::memcpy(h.data(), kStreamMagic, sizeof kStreamMagic);
@@ -299,6 +396,26 @@ void sock_send(const std::vector<int>& fds, const Plan& plan, const std::vector<
                Control& ctl, uint64_t tag) {
   if (src_bases.empty()) throw Error(Status::PARAM_INVALID, "source addresses are required");
   run_streams(fds, resolve(plan, src_bases, {}), plan.total_bytes(), true, ctl, tag);
+}
+
+void sock_recv_layered(const std::vector<int>& fds, const Plan& plan, const std::vector<uint64_t>& dst_bases,
+                       Control& ctl, uint64_t tag, const std::vector<uint64_t>& ends, int efd) {
+  if (dst_bases.empty()) throw Error(Status::PARAM_INVALID, "destination addresses are required");
+  if (fds.empty()) throw Error(Status::PARAM_INVALID, "no socket fds given");
+  if (efd < 0) throw Error(Status::PARAM_INVALID, "layered transfer: the signal fd must be >= 0");
+  uint64_t prev = 0;
+  for (uint64_t e : ends) {
+    if (e <= prev) throw Error(Status::PARAM_INVALID, "layered transfer: layer ends must ascend (no empty layer)");
+    prev = e;
+  }
+  const uint64_t total = plan.total_bytes();
+  if (ends.empty() || ends.back() * fds.size() != total)
+    throw Error(Status::PARAM_INVALID, "layered transfer: each stream's layers must end at its share of the plan");
+  for (int fd : fds) check_stream_fd(fd);
+  ctl.set_total(total);
+  auto parts = split_even(resolve(plan, {}, dst_bases), total, fds.size());
+  LayerGate gate(ends, fds.size(), efd);
+  run_parallel(fds.size(), ctl, [&](size_t i) { stream(fds[i], parts[i], false, ctl, tag, &gate, i); });
 }
 
 void sock_recv(const std::vector<int>& fds, const Plan& plan, const std::vector<uint64_t>& dst_bases,

@@ -10,13 +10,19 @@ header naming the request, checked natively before a byte lands, and the
 request names the epoch of the streams it uses. A transfer that does not end
 cleanly retires those streams (the client connects a new epoch before the next
 one) and sends CANCEL, so the serving side drops or aborts it too.
+
+A tiny pull (at most ``LOOP_MAX_BYTES``) skips the control connection: it is asked on
+the first data stream and answered on it (``tcp_requests``), moved by the loop on the
+calling task: one round trip, no thread, no DONE.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
+import os
 import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -25,9 +31,10 @@ from .. import _native, _wire
 from .._executor import quiesce
 from .._leases import LeaseStale
 from ..config import DataPath
-from ..errors import LLMException, LLMStatusCode, failure, to_status_code
-from .base import Call, Path
+from ..errors import LLMException, LLMStatusCode, failure, from_native, to_status_code
+from .base import Call, LayerCut, Path
 from .peer import ControlLink
+from .tcp_requests import MAX_STREAM_SEGMENTS, decode_refusal, encode_request
 from .tcp_streams import LOOP_MAX_BYTES, LoopMove
 
 if TYPE_CHECKING:
@@ -45,6 +52,13 @@ Stepper = Callable[[int, int], _native.SockStep]
 # A deadline further away than this (~31 years) is treated as none: loop timers (uvloop's
 # in particular) overflow on huge or infinite times.
 _FOREVER_S = 1e9
+# Stream requests' tags: apart from the control requests' ids (both name transfers in
+# CANCEL and in the serving side's bookkeeping).
+_stream_tags = itertools.count(1 << 40)
+STREAM_SPIN_US = 100
+"""How long a tiny pull waits for its answer on the loop's thread (in ``ppoll``, GIL
+released, never past its deadline) before the loop waits for it: an answer that comes
+within it costs no loop round trip (0: the loop waits from the start)."""
 
 
 def _usable_deadline(deadline: float | None, now: float) -> float | None:
@@ -99,6 +113,8 @@ class TcpPath(Path):
     def __init__(self, link: TcpLink) -> None:
         self.link = link
         self.streams = link.streams
+        # A peer in this process answers from this very loop: waiting on it here is lost.
+        self._spin = link.info.pid != os.getpid()
 
     @property
     def remote_table(self) -> CacheTable:
@@ -117,6 +133,9 @@ class TcpPath(Path):
     async def pull(
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
     ) -> None:
+        if plan.total_bytes <= LOOP_MAX_BYTES and plan.num_segments <= MAX_STREAM_SEGMENTS:
+            await self._stream_pull(plan, remote, local, call)
+            return
         dst = local.addrs
         await self._transfer(
             _wire.MsgType.PULL,
@@ -126,6 +145,48 @@ class TcpPath(Path):
             {"dst_geometry": [local.num_tensors, local.num_blocks, local.block_bytes]},
             lambda fds, c, req: _native.sock_recv(fds, plan, dst, c, tag=req),
             lambda fd, req: _native.SockStep(fd, plan, dst, False, tag=req),
+        )
+
+    async def pull_layers(
+        self,
+        plan: _native.Plan,
+        remote: CacheEntry,
+        local: CacheEntry,
+        call: Call,
+        cut: LayerCut,
+    ) -> None:
+        """One request for every layer: each stream carries its part of every layer, in
+        layer order (the plan is reordered so), and a layer is signalled on ``cut.fd`` once
+        every stream's part of it has landed."""
+        if plan.total_bytes <= LOOP_MAX_BYTES:
+            await super().pull_layers(plan, remote, local, call, cut)
+            return
+        dst, bounds, efd = local.addrs, cut.bounds(plan), cut.fd
+
+        def prepare(n: int) -> tuple[_native.Plan, Mover, int]:
+            # A layer whose bytes do not divide by n: one stream, the plan's own order.
+            striped = _native.plan_striped(plan, bounds, n) if n > 1 else None
+            if striped is None:
+                n, striped = 1, _native.plan_striped(plan, bounds, 1)
+                assert striped is not None
+            layered, ends = striped
+            return (
+                layered,
+                lambda fds, c, req: _native.sock_recv_layered(
+                    fds, layered, dst, c, tag=req, ends=ends, efd=efd
+                ),
+                n,
+            )
+
+        await self._transfer(
+            _wire.MsgType.PULL,
+            plan,
+            remote,
+            call,
+            {"dst_geometry": [local.num_tensors, local.num_blocks, local.block_bytes]},
+            None,
+            lambda fd, req: _native.SockStep(fd, plan, dst, False, tag=req),
+            prepare=prepare,
         )
 
     async def push(
@@ -140,6 +201,89 @@ class TcpPath(Path):
             {"src_geometry": [local.num_tensors, local.num_blocks, local.block_bytes]},
             lambda fds, c, req: _native.sock_send(fds, plan, src, c, tag=req),
             lambda fd, req: _native.SockStep(fd, plan, src, True, tag=req),
+        )
+
+    async def _stream_pull(
+        self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
+    ) -> None:
+        """A tiny pull, asked and answered on the first data stream (see ``tcp_requests``):
+        one round trip, no control message, moved by the loop on this task.
+
+        Raises:
+            LLMTimeoutError: ``call.deadline`` passed.
+            LLMException: the peer's refusal (its status), the stream's failure (another
+                transfer's bytes: LLM_FAILED...; the peer closed it), a closed link.
+            LeaseStale: the peer refused: the cache is gone or was re-bound (nothing moved).
+            asyncio.CancelledError: the caller was cancelled (nothing moves after it).
+
+        Unless it ends with the bytes or a refusal (either leaves the stream in step), the
+        stream is retired and a CANCEL goes to the peer in the background.
+        """
+        link, streams = self.link, self.streams
+        if link.closed.is_set():
+            raise failure(
+                LLMStatusCode.LLM_LINK_FAILED,
+                f"the link to cluster {link.info.cluster_id} is closed",
+            )
+        loop = asyncio.get_running_loop()
+        deadline = _usable_deadline(call.deadline, loop.time())
+        direction = streams.my_direction
+        sock = streams.first(direction)
+        epoch = streams.epoch[direction]
+        if sock is None:
+            sock = (await self._connect(direction, deadline))[0][0]
+            epoch = streams.epoch[direction]
+        tag = next(_stream_tags)
+        frame = encode_request(
+            tag,
+            remote.cache_id,
+            None if remote.lease is None else remote.lease[1],  # served only for this binding
+            (local.num_tensors, local.num_blocks, local.block_bytes),
+            deadline_ms(call.deadline, loop.time()),
+            _native.plan_segment_bytes(plan),
+        )
+        fd = streams.hold([sock])[0]
+        clean = False
+        try:
+            try:
+                step = _native.SockStep(fd, plan, local.addrs, False, tag=tag)
+            except _native.NativeError as e:
+                raise from_native(e) from e
+            try:
+                sent = sock.send(frame)
+            except BlockingIOError:
+                sent = 0
+            except OSError as e:
+                raise self._broken(e) from e
+            if sent < len(frame):  # (its buffer is full: the peer does not read)
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await loop.sock_sendall(sock, memoryview(frame)[sent:])
+                except TimeoutError:
+                    raise failure(
+                        LLMStatusCode.LLM_TIMEOUT,
+                        "deadline passed while sending the request (the peer is not reading)",
+                    ) from None
+                except OSError as e:
+                    raise self._broken(e) from e
+            await LoopMove(lambda: step).run(deadline, spin_us=STREAM_SPIN_US * self._spin)
+            clean = True
+            if step.refused:
+                raise _peer_failure(decode_refusal(step.refusal))
+        finally:
+            streams.release([sock])
+            if not clean:
+                # Its position is unknown: never reused. The peer drops or aborts the
+                # request and retires it too (CANCEL, sent in the background).
+                with contextlib.suppress(Exception):
+                    streams.drop(direction, only=[sock])
+                with contextlib.suppress(Exception):
+                    link.cancel_soon(tag, epoch)
+
+    def _broken(self, e: OSError) -> LLMException:
+        return failure(
+            LLMStatusCode.LLM_LINK_FAILED,
+            f"the data stream to cluster {self.link.info.cluster_id} broke: {e}",
         )
 
     async def _connect(
@@ -167,12 +311,15 @@ class TcpPath(Path):
         remote: CacheEntry,
         call: Call,
         extra: dict[str, Any],
-        mover: Mover,
+        mover: Mover | None,
         stepper: Stepper,
+        prepare: Callable[[int], tuple[_native.Plan, Mover, int]] | None = None,
     ) -> None:
         """Sends the request, runs ``mover(fds, control, req)`` on the link's streams of our
         direction (a transfer of at most ``LOOP_MAX_BYTES``: ``stepper(fd, req)`` on one
-        stream, moved by the loop), and waits for the peer's DONE.
+        stream, moved by the loop), and waits for the peer's DONE. ``prepare(streams)``
+        (a transfer over the limit): the plan to ask for, its mover and how many of the
+        streams it takes, given how many there are.
 
         Raises:
             LLMTimeoutError: ``call.deadline`` passed (connecting streams, sending the
@@ -202,6 +349,9 @@ class TcpPath(Path):
             socks, epoch = await self._connect(direction, deadline)
             if tiny:
                 socks = socks[:1]  # moved by the loop on one stream (see LOOP_MAX_BYTES)
+            elif prepare is not None:
+                plan, mover, n = prepare(len(socks))
+                socks = socks[:n]
             body = {
                 "cache_id": remote.cache_id,
                 "deadline_ms": deadline_ms(call.deadline, loop.time()),
@@ -230,6 +380,7 @@ class TcpPath(Path):
                 fd = fds[0]
                 await self._await_loop(deadline, LoopMove(lambda: stepper(fd, req)), done)
             else:
+                assert mover is not None
                 await self._await(call, deadline, mover, fds, req, done)
             clean = True
         finally:

@@ -12,6 +12,13 @@ only on streams of that epoch (waited for within its deadline) and answered with
 failed DONE, touching no stream, when that epoch was retired. A CANCEL {req, epoch}
 drops the request if queued, aborts it if running, and retires the streams of that
 epoch and older.
+
+Stream requests (tiny pulls, see ``tcp_streams``) arrive on a data stream of the peer's
+direction and are answered on it: served at once from the loop's readiness callback
+when nothing else is being served (one ``sendmsg`` of the stream header and the bytes,
+no task, no DONE), else queued in order with the others. A refused one gets a refusal
+frame on its stream; a stream that misbehaves (not a request, a second request before
+the answer, a send that fails) is retired.
 """
 
 from __future__ import annotations
@@ -20,13 +27,13 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import _native, _wire
 from .._caches import require_host_memory
 from .._leases import LeaseStale
 from ..errors import LLMException, LLMStatusCode, failure, from_native
+from .tcp_requests import ServeStats, StreamJob, StreamRequests
 from .tcp_streams import LOOP_MAX_BYTES, LoopMove
 
 if TYPE_CHECKING:
@@ -43,18 +50,7 @@ MAX_QUEUED_REQUESTS = 8
 """Requests of one peer waiting to be served; past it the link's reading stops."""
 
 
-@dataclass
-class ServeStats:
-    """What the serving side of one link did with the peer's requests (for tests and tools)."""
-
-    served: int = 0  # ended with a successful DONE
-    failed: int = 0  # ended with a failed DONE (refused, timed out, mover error, stale)
-    stale: int = 0  # of those: named streams of a retired epoch; no stream was touched
-    cancelled_queued: int = 0  # CANCEL arrived while queued: never started
-    cancelled_running: int = 0  # CANCEL arrived while running: aborted
-
-
-class TcpServing:
+class TcpServing(StreamRequests):
     """Serves one link's peer requests, in order, one at a time.
 
     Args:
@@ -85,21 +81,27 @@ class TcpServing:
         # (request, loop time it arrived): its deadline counts from arrival, queueing
         # included. A well-behaved peer has at most one request in flight per direction
         # (its link slot orders them); a full queue stops reading from a peer that floods us.
-        self._requests: asyncio.Queue[tuple[_wire.Message, float]] = asyncio.Queue(
-            maxsize=MAX_QUEUED_REQUESTS
-        )
+        # Stream requests queue too (at most one per stream: it stays unwatched meanwhile),
+        # outside the control messages' bound.
+        self._requests: asyncio.Queue[tuple[_wire.Message | StreamJob, float]] = asyncio.Queue()
+        self._room = asyncio.Semaphore(MAX_QUEUED_REQUESTS)
         # For CANCEL: req ids queued (with a count), cancelled while queued, and the
         # running one (req, its abort token).
         self._queued: dict[int, int] = {}
         self._cancelled: set[int] = set()
         self._running: tuple[int, _native.Control | LoopMove] | None = None
+        self._busy = False  # the serve loop is serving one (a stream request then queues)
+        self._partial: dict[socket.socket, bytes] = {}  # stream requests not all here yet
+        self._loop = asyncio.get_running_loop()
         self.stats = ServeStats()
+        streams.serve_requests(self._readable)
 
     async def enqueue(self, msg: _wire.Message) -> None:
-        """Queues a PULL or PUSH (waits while the queue is full: the peer floods us)."""
+        """Queues a PULL or PUSH (waits while MAX_QUEUED_REQUESTS wait: the peer floods us)."""
         req = int(msg.body["req"])
+        await self._room.acquire()
         self._queued[req] = self._queued.get(req, 0) + 1
-        await self._requests.put((msg, asyncio.get_running_loop().time()))
+        self._requests.put_nowait((msg, asyncio.get_running_loop().time()))
 
     def on_cancel(self, req: int, epoch: int) -> None:
         """The peer gave up ``req`` and its streams of ``epoch`` and older: drops or
@@ -114,24 +116,42 @@ class TcpServing:
 
     async def run(self) -> None:
         """The serve loop (until the link closes)."""
+        try:
+            await self._run()
+        finally:
+            self._abandon_queued()
+
+    async def _run(self) -> None:
         while not self._link.closed.is_set():  # _serve may close the link (a peer not reading)
             msg, arrived = await self._requests.get()
-            req = int(msg.body["req"])
+            if isinstance(msg, StreamJob):
+                req = msg.request.tag
+            else:
+                self._room.release()
+                req = int(msg.body["req"])
             left = self._queued.pop(req, 1) - 1
             if left > 0:
                 self._queued[req] = left
-            if req in self._cancelled:
-                self._cancelled.discard(req)
-                self.stats.cancelled_queued += 1
-                continue  # the requester gave up on it: nothing to send, nothing to answer
+            self._busy = True
             try:
-                await self._serve(msg, arrived)
+                if req in self._cancelled:
+                    self._cancelled.discard(req)
+                    self.stats.cancelled_queued += 1
+                    if isinstance(msg, StreamJob):
+                        self._end_stream(msg, ok=False, count=False)
+                    continue  # the requester gave up on it: nothing to send, nothing to answer
+                if isinstance(msg, StreamJob):
+                    await self._serve_stream(msg, arrived)
+                else:
+                    await self._serve(msg, arrived)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception(
                     "serving a request from cluster %d failed", self._link.info.cluster_id
                 )
+            finally:
+                self._busy = False
 
     async def _serve(self, msg: _wire.Message, arrived: float) -> None:
         """Serves one PULL (we send) or PUSH (we receive) against our registered memory.
@@ -197,6 +217,21 @@ class TcpServing:
         await self._reply(req, status, info, stale)
 
     def _check(self, msg: _wire.Message, api: str) -> tuple[CacheEntry, _native.Plan]:
+        """The cache a PULL / PUSH names and its plan (see :meth:`_resolve`)."""
+        body = msg.body
+        pull = msg.type == _wire.MsgType.PULL
+        geo = body["dst_geometry" if pull else "src_geometry"]
+        return self._resolve(int(body["cache_id"]), body.get("gen"), pull, geo, msg.binary, api)
+
+    def _resolve(
+        self,
+        cache_id: int,
+        gen: int | None,
+        pull: bool,
+        peer_geometry: Any,
+        segments: bytes,
+        api: str,
+    ) -> tuple[CacheEntry, _native.Plan]:
         """The cache a request names and its plan, checked against our registration.
 
         Raises:
@@ -204,46 +239,37 @@ class TcpServing:
             LLMException: a segment outside the cache (LLM_PARAM_INVALID, ...).
             _wire.WireError: malformed segments.
         """
-        body = msg.body
-        entry = self._table().by_id(int(body["cache_id"]))
+        entry = self._table().by_id(cache_id)
         if entry is None:
             raise failure(
                 LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                f"no cache with id {body['cache_id']}",
+                f"no cache with id {cache_id}",
                 api=api,
                 kind=LeaseStale,
             )
-        if (
-            body.get("gen") is not None
-            and entry.lease is not None
-            and entry.lease[1] != body["gen"]
-        ):
+        if gen is not None and entry.lease is not None and entry.lease[1] != gen:
             # The requester resolved its key through a binding this cache has lost (a
             # later registration took its model_id, a row key was removed): it would get
             # (or overwrite) another registration's bytes under that key.
             raise failure(
                 LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                f"cache {body['cache_id']} was re-bound since the requester's table "
-                f"(generation {body.get('gen')}, now {entry.lease})",
+                f"cache {cache_id} was re-bound since the requester's table "
+                f"(generation {gen}, now {entry.lease})",
                 api=api,
                 kind=LeaseStale,
             )
         # Device memory is moved by engines only: never read or written here, whatever a
         # peer asks (its table said the cache is on a device).
         require_host_memory("tcp", entry)
-        if msg.type == _wire.MsgType.PUSH:
+        if not pull:
             entry.check_no_late_writes(api)  # (an aborted engine pull may still land in it)
-        segs = _wire.segments_from_bytes(msg.binary)
-        pull = msg.type == _wire.MsgType.PULL
         try:
-            geo = _native.Geometry(
-                *(int(x) for x in body["dst_geometry" if pull else "src_geometry"])
-            )
+            geo = _native.Geometry(*(int(x) for x in peer_geometry))
             # Every segment is checked against *our* registered geometry: a peer can never
             # make us read or write outside registered memory.
             if pull:
-                return entry, _native.Plan.from_segments(entry.geometry, geo, segs)
-            return entry, _native.Plan.from_segments(geo, entry.geometry, segs)
+                return entry, _native.plan_from_segment_bytes(entry.geometry, geo, segments)
+            return entry, _native.plan_from_segment_bytes(geo, entry.geometry, segments)
         except _native.NativeError as e:
             raise from_native(e, api) from e
 

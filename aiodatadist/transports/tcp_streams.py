@@ -11,6 +11,10 @@ dead: no request naming it is served again.
 A socket a native job uses is *held* (:meth:`TcpStreams.hold`): retiring it then
 shuts it down (the job's wait ends at once) and closes it only once the job has
 returned, so its fd number is never reused under the job.
+
+Streams of the peer's direction are *watched* by the loop while nothing holds them:
+the peer asks tiny pulls on them (``tcp_requests``), and the serving half is called
+when one is readable (:meth:`TcpStreams.serve_requests`).
 """
 
 from __future__ import annotations
@@ -72,8 +76,12 @@ class LoopMove:
         if fut is not None and not fut.done():
             fut.set_exception(_native.NativeError(_native.Status.ABORTED, "transfer aborted"))
 
-    async def run(self, deadline: float | None, api: str | None = None) -> None:
+    async def run(self, deadline: float | None, api: str | None = None, spin_us: int = 0) -> None:
         """Moves every byte; returns once they all moved.
+
+        ``spin_us``: when the first step cannot finish, wait up to this long for the socket
+        on this thread (GIL released, ``SockStep.step_for``) before handing the wait to
+        the loop: an answer that is microseconds away costs no loop round.
 
         Raises:
             LLMTimeoutError: ``deadline`` passed (nothing moves after it).
@@ -86,9 +94,11 @@ class LoopMove:
             if self._aborted:
                 raise _native.NativeError(_native.Status.ABORTED, "transfer aborted")
             step = self._make()
-            if step.step():
-                return
             loop = asyncio.get_running_loop()
+            if spin_us > 0 and deadline is not None:  # (never past the deadline)
+                spin_us = min(spin_us, int((deadline - loop.time()) * 1e6))
+            if step.step_for(spin_us) if spin_us > 0 else step.step():
+                return
             fut = self._fut = loop.create_future()
             stepper = step
 
@@ -154,6 +164,10 @@ class TcpStreams:
         self._in_use: dict[socket.socket, int] = {}
         self._retired: set[socket.socket] = set()
         self._loop = asyncio.get_running_loop()
+        # Streams of the peer's direction carry its stream requests: the serving half
+        # (serve_requests) is called when one is readable and nothing else uses it.
+        self._on_request: Callable[[socket.socket], None] | None = None
+        self._watched: set[socket.socket] = set()
 
     @property
     def my_direction(self) -> int:
@@ -220,11 +234,53 @@ class TcpStreams:
             self.reconnect_soon()  # we own the streams: the peer cannot make new ones
         self._notify(direction)
 
+    # ------------------------------------------------------------ stream requests
+
+    def serve_requests(self, on_request: Callable[[socket.socket], None]) -> None:
+        """Calls ``on_request(sock)`` whenever a stream of the peer's direction is readable
+        while no transfer holds it (a held stream is watched again on its release)."""
+        self._on_request = on_request
+        for s in self.sockets[1 - self.my_direction]:
+            if s is not None:
+                self._watch(s)
+
+    def _watch(self, s: socket.socket) -> None:
+        if (
+            self._on_request is None
+            or s in self._watched
+            or s in self._in_use
+            or s in self._retired
+            or s not in self.sockets[1 - self.my_direction]
+            or s.fileno() < 0
+        ):
+            return
+        self._loop.add_reader(s.fileno(), self._on_request, s)
+        self._watched.add(s)
+
+    def first(self, direction: int) -> socket.socket | None:
+        """The first stream of ``direction`` when the current set is all connected."""
+        if not self.ready[direction].is_set():
+            return None
+        s = self.sockets[direction][0]
+        return s if s is not None and self._epoch_of.get(s) == self.epoch[direction] else None
+
+    def in_place(self, s: socket.socket) -> bool:
+        """Whether ``s`` is still one of the streams (not retired or replaced)."""
+        return s not in self._retired and any(s in d for d in self.sockets)
+
+    def unwatch(self, s: socket.socket) -> None:
+        """Stops watching ``s`` for stream requests until its next :meth:`release`."""
+        if s in self._watched:
+            self._watched.discard(s)
+            with contextlib.suppress(Exception):  # (a loop already closed)
+                self._loop.remove_reader(s.fileno())
+
     # ------------------------------------------------------------ holds
 
     def _close(self, s: socket.socket) -> None:
         """Closes a stream, or, while a native job uses it, shuts it down (which ends the
         job's wait at once) and closes it when the job has returned."""
+        self.unwatch(s)
         if s in self._in_use:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
@@ -237,6 +293,7 @@ class TcpStreams:
         """Keeps ``socks`` open (their fd numbers ours) until :meth:`release`, which must
         come only after the native job given the returned fds has returned."""
         for s in socks:
+            self.unwatch(s)  # its bytes are the job's
             self._in_use[s] = self._in_use.get(s, 0) + 1
         return [s.fileno() for s in socks]
 
@@ -249,6 +306,8 @@ class TcpStreams:
                 self._retired.discard(s)
                 with contextlib.suppress(OSError):
                     s.close()
+            else:
+                self._watch(s)
 
     # ------------------------------------------------------------ connecting
 
@@ -286,7 +345,9 @@ class TcpStreams:
                 sock.close()
                 return
             await self._loop.sock_sendall(sock, ACK)
+            self._watch(sock)  # (a no-op unless it still is in place)
         except OSError:
+            self.unwatch(sock)
             sock.close()
 
     async def connect(self, direction: int, deadline: float | None) -> None:
@@ -334,7 +395,9 @@ class TcpStreams:
                 raise failure(
                     LLMStatusCode.LLM_LINK_FAILED, "the data streams were replaced meanwhile"
                 )
+            self._watch(sock)
         except BaseException:
+            self.unwatch(sock)
             sock.close()
             raise
 

@@ -185,3 +185,70 @@ def test_a_descriptor_that_is_not_a_stream_socket_is_refused() -> None:
         os.close(w)
     with raises(Status.PARAM_INVALID, "negative socket fd"):
         n.SockStep(-1, plan, bases(src), True, tag=TAG)
+
+
+# ------------------------------------------------------------------ stream requests' answers
+
+
+def refusal(tag: int, body: bytes) -> bytes:
+    return n.SOCK_REFUSAL_MAGIC + tag.to_bytes(8, "little") + len(body).to_bytes(8, "little") + body
+
+
+def test_a_refusal_of_this_transfer_ends_it_and_writes_nothing() -> None:
+    _, dst, plan, _ = case(11)
+    before = dst.copy()
+    body = b'{"status": 1, "info": "no", "stale": false}'
+    with pair(buf=4096) as (a, b):
+        # The body comes in two parts: the step waits for all of it, and reads no further.
+        a.sendall(refusal(TAG, body)[:30])
+        rx = n.SockStep(b.fileno(), plan, bases(dst), False, tag=TAG)
+        assert not rx.step() and not rx.finished
+        a.sendall(refusal(TAG, body)[30:] + b"next")
+        drive(rx)
+        assert rx.refused and rx.refusal == body and rx.bytes_done == 0
+        assert b.recv(16) == b"next"  # the stream is still in step after it
+    assert np.array_equal(dst, before), differing(dst, before)
+
+
+def test_a_refusal_of_another_transfer_or_oversized_is_stale() -> None:
+    _, dst, plan, _ = case(12)
+    before = dst.copy()
+    with pair() as (a, b):
+        a.sendall(refusal(TAG + 1, b"{}"))
+        with raises(Status.STALE, f"refusal of transfer {TAG + 1}, not of transfer {TAG}"):
+            drive(n.SockStep(b.fileno(), plan, bases(dst), False, tag=TAG))
+    with pair() as (a, b):
+        big = n.SOCK_MAX_REFUSAL_BYTES + 1
+        a.sendall(n.SOCK_REFUSAL_MAGIC + TAG.to_bytes(8, "little") + big.to_bytes(8, "little"))
+        with raises(Status.STALE, f"refusal of {big} bytes"):
+            drive(n.SockStep(b.fileno(), plan, bases(dst), False, tag=TAG))
+    assert np.array_equal(dst, before), differing(dst, before)
+
+
+def test_step_for_waits_at_most_its_bound_then_takes_what_comes() -> None:
+    src, dst, plan, want = case(13)
+    with pair() as (a, b):
+        rx = n.SockStep(b.fileno(), plan, bases(dst), False, tag=TAG)
+        t0 = time.monotonic()
+        assert not rx.step_for(20_000)  # nothing comes: False after about 20 ms
+        assert 0.015 < time.monotonic() - t0 < 5.0
+        sender = Background(send, [a.fileno()], plan, bases(src))
+        assert rx.step_for(10_000_000)  # returns as soon as every byte is in
+        sender.join()
+    assert np.array_equal(dst, want), differing(dst, want)
+
+
+def test_plan_segment_bytes_round_trip_and_checks() -> None:
+    _, _, plan, _ = case(14)
+    raw = n.plan_segment_bytes(plan)
+    assert raw == np.ascontiguousarray(plan.segments(), dtype="<u8").tobytes()
+    g = plan.src
+    again = n.plan_from_segment_bytes(g, plan.dst, b"x" * 8 + raw, 8)
+    assert np.array_equal(again.segments(), plan.segments())
+    with raises(Status.PARAM_INVALID, "whole number of 40-byte rows"):
+        n.plan_from_segment_bytes(g, plan.dst, raw[:-1])
+    outside = np.array([[0, g.tensor_bytes, 0, 0, 8]], dtype="<u8").tobytes()
+    with raises(Status.OUT_OF_RANGE, "reads outside the source"):
+        n.plan_from_segment_bytes(g, plan.dst, outside)
+    with raises(Status.PARAM_INVALID, "no segments"):
+        n.plan_from_segment_bytes(g, plan.dst, b"")

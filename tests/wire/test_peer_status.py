@@ -5,6 +5,8 @@ A fake link server, driven frame by frame, answers the real client (``link_clust
 would not serve: the client must map every one to an :class:`LLMException` with a
 status of the upstream table (unknown -> ``LLM_FAILED``), never report success for a
 refused link, and report the peer's reason rather than its own abort of the receiver.
+A tiny pull is refused on its data stream (a stream request's refusal), a bigger one
+with a DONE on the control connection.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import pytest
 from aiodatadist import BlocksCacheKey, LLMDataDist, LLMException, LLMRole, LLMStatusCode
 from aiodatadist import _wire as w
 from aiodatadist.testing import cluster_info, make_blocks_cache
+from aiodatadist.transports.tcp_requests import decode_request, encode_refusal
+from aiodatadist.transports.tcp_streams import LOOP_MAX_BYTES
 
 S = LLMStatusCode
 SERVER, CLIENT = 71, 72
-NUM_BLOCKS, BLOCK_BYTES = 4, 4096
+NUM_BLOCKS, BLOCK_BYTES = 128, 4096
 
 
 def _description() -> dict[str, Any]:
@@ -47,7 +51,8 @@ def _description() -> dict[str, Any]:
 
 class FakeServer:
     """Answers HELLO with ``refuse`` (a REFUSE status) or completes the handshake, acks
-    data streams, and answers every PULL with DONE ``done_status``."""
+    data streams, and answers every PULL with DONE ``done_status`` (every stream request
+    with a refusal of that status)."""
 
     def __init__(self, *, refuse: int | None = None, done_status: int = 0) -> None:
         self.refuse = refuse
@@ -62,7 +67,14 @@ class FakeServer:
             if msg.type == w.MsgType.DATA_HELLO:
                 writer.write(b"\x01")
                 await writer.drain()
-                await reader.read()  # sends nothing on the stream
+                buf = b""
+                while chunk := await reader.read(1 << 16):
+                    buf += chunk
+                    got = decode_request(buf)
+                    if got is not None:
+                        buf = buf[got[1] :]
+                        writer.write(encode_refusal(got[0].tag, self.done_status, "fake", False))
+                        await writer.drain()
                 return
             if self.refuse is not None:
                 body = {"status": self.refuse, "reason": "no"}
@@ -142,6 +154,7 @@ async def test_refuse_status_from_the_server(refused_with: int, expected: S) -> 
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("blocks", [2, 64])  # a stream request; one over LOOP_MAX_BYTES
 @pytest.mark.parametrize(
     ("done_status", "expected"),
     [
@@ -150,7 +163,7 @@ async def test_refuse_status_from_the_server(refused_with: int, expected: S) -> 
         (12345, S.LLM_FAILED),
     ],
 )
-async def test_done_status_from_the_server(done_status: int, expected: S) -> None:
+async def test_done_status_from_the_server(done_status: int, expected: S, blocks: int) -> None:
     """The server refuses the pull (DONE with a failure) and sends no byte: the pull fails
     at once with the server's status, not with the receiver's abort (LLM_TIMEOUT)."""
     fake = FakeServer(done_status=done_status)
@@ -158,12 +171,17 @@ async def test_done_status_from_the_server(done_status: int, expected: S) -> Non
         status, _ = await dd.link_clusters([cluster_info(SERVER, "127.0.0.1", port)], 3000)
         assert status == S.LLM_SUCCESS
         filled = make_blocks_cache(dd, num_tensors=2, num_blocks=NUM_BLOCKS)  # 4 KiB blocks
+        assert (blocks * 2 * BLOCK_BYTES > LOOP_MAX_BYTES) == (blocks == 64)
         loop = asyncio.get_running_loop()
         started = loop.time()
         with pytest.raises(LLMException) as ei:
             await asyncio.wait_for(
                 dd.cache_manager.pull_blocks(
-                    BlocksCacheKey(SERVER, 0), filled.cache, [0, 1], [2, 3], timeout=5
+                    BlocksCacheKey(SERVER, 0),
+                    filled.cache,
+                    list(range(blocks)),
+                    list(range(blocks, 2 * blocks)),
+                    timeout=5,
                 ),
                 10,
             )

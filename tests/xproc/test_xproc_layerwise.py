@@ -141,8 +141,9 @@ async def test_break_and_cancel_leave_the_link_usable(path: str) -> None:
 async def test_prompt_killed_mid_iteration(path: str) -> None:
     # The iteration is one transfer, big enough to be still moving when the prompt dies
     # (1 GiB over cma, 256 MiB over tcp; one mover thread), 8 layers of one tensor each.
-    # tcp (a request per layer) is killed once layer 0 was handed over; cma (one native
-    # job) once that job runs, so the kill lands mid-job however late the loop wakes.
+    # Both move it in one native job (tcp: one request, every stream carrying its part of
+    # each layer in order); the prompt is killed once that job runs, so the kill lands
+    # mid-job however late the loop wakes.
     block = (8 << 20,) if path == "cma" else (2 << 20,)
     spec = _spec(path, num_tensors=8, block_shape=block, dtype="uint8")
     async with remote_pair(spec, data_path=path, options={"aiodatadist.MoverThreads": "1"}) as pair:
@@ -162,7 +163,7 @@ async def test_prompt_killed_mid_iteration(path: str) -> None:
         task = asyncio.create_task(consume())
         loop = asyncio.get_running_loop()
         end = loop.time() + 30
-        while not (got if path == "tcp" else pair.decoder._rt.executor.in_flight):
+        while not pair.decoder._rt.executor.in_flight:
             assert not task.done() and loop.time() < end
             await asyncio.sleep(0.0005)
         pair.prompt.kill()
