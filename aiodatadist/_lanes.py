@@ -21,7 +21,10 @@ with no await**:
   ``int``, a ``float``/``int`` timeout of at least :data:`MIN_TIMEOUT_S`), and the plan
   (bounds- and overlap-checked natively) small enough;
 * the copy runs under the remote cache's lease like any one-sided copy; a lease found
-  stale before a byte moved drops the lane and the whole path refreshes and retries.
+  stale before a byte moved drops the lane and the whole path refreshes and retries;
+* such a pull never suspends, so once a millisecond one yields to the loop *after* its
+  bytes landed (a yield before them would let a later call's pull run first: calls on a
+  link keep their order); a cancel delivered there raises ``CancelledError`` as usual.
 
 The deadline: a lane copy is bounded by its size (at most ``max_bytes`` of memcpy or
 ``process_vm_readv``, tens of microseconds) and cannot be aborted, like the inline jobs of
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Final
 
 from ._executor import INLINE_YIELD_S
@@ -64,12 +68,22 @@ _API: Final = "pull_blocks"  # the one call lanes serve
 MAX_TIMEOUT_S: Final = 86_400.0 * 365  # the checks' bound is larger; this one is cheap
 
 
+def _same_layers(kept: range | None, given: object) -> bool:
+    """``given`` is the kept layer range exactly: None, or a ``range`` of step 1 (range
+    equality is sequence equality, ``range(1, 2, 7) == range(1, 2)``, and any object may
+    claim to equal one; the whole path refuses both)."""
+    if kept is None:
+        return given is None
+    return type(given) is range and given.step == 1 and given == kept
+
+
 class _Route:
     """One kept lane and everything its pulls are checked against."""
 
     __slots__ = (
         "block_span",
         "dst_cache",
+        "dst_id",
         "dst_layers",
         "key",
         "lane",
@@ -94,12 +108,15 @@ class _Route:
         span: tuple[int, int, int],
     ) -> None:
         self.key = key
-        self.dst_cache = dst_cache
+        # Weakly: an unregistered cache, an ended link are not kept alive by a lane (a dead
+        # reference, like a freed cache or a closed link, sends the pull the whole way).
+        self.dst_cache = weakref.ref(dst_cache)
+        self.dst_id = id(dst_cache)
         self.src_layers = request.src_layers
         self.dst_layers = request.dst_layers
         self.per_layer = request.tensors_per_layer
-        self.local = request.local
-        self.link = link
+        self.local = weakref.ref(request.local)
+        self.link = weakref.ref(link)
         self.remote = remote
         self.version = version
         self.lane = lane
@@ -114,15 +131,16 @@ class FastPulls:
         self._rt = rt
         self._routes: dict[int, list[_Route]] = {}  # id(dst_cache) -> routes
         self._count = 0
-        self.yield_due = 0.0  # time.monotonic() from which the next fast pull yields first
+        self.yield_due = 0.0  # time.monotonic() from which the next lane pull yields after
 
     def __bool__(self) -> bool:
         return self._count > 0
 
     async def pause(self) -> None:
-        """Yields to the loop once: a caller's loop of lane pulls (which never suspend)
-        then cannot starve the loop's other tasks (the link's messages, timers) for more
-        than ``INLINE_YIELD_S``; called when :attr:`yield_due` has passed."""
+        """Yields to the loop once, after a lane pull landed: a caller's loop of lane
+        pulls (which never suspend) then cannot starve the loop's other tasks (the link's
+        messages, timers) for more than ``INLINE_YIELD_S``; called when :attr:`yield_due`
+        has passed."""
         self.yield_due = time.monotonic() + INLINE_YIELD_S
         await asyncio.sleep(0)
 
@@ -148,7 +166,7 @@ class FastPulls:
         if routes is None or asyncio.get_running_loop() is not self._rt.loop:
             return False  # (awaited from another loop: the whole path bridges it home)
         for r in routes:
-            if r.dst_cache is dst_cache and (
+            if r.dst_cache() is dst_cache and (
                 r.key is key
                 or (  # (a new key object per call is the common case: its two ints)
                     type(key) is BlocksCacheKey
@@ -160,8 +178,8 @@ class FastPulls:
         else:
             return False
         if (
-            r.src_layers != src_layers
-            or r.dst_layers != dst_layers
+            not _same_layers(r.src_layers, src_layers)
+            or not _same_layers(r.dst_layers, dst_layers)
             or r.per_layer != per_layer
             or type(per_layer) is not int
         ):
@@ -179,9 +197,11 @@ class FastPulls:
         for b in dst_blocks:
             if type(b) is not int:
                 return False
-        link, local, lane = r.link, r.local, r.lane
+        link, local, lane = r.link(), r.local(), r.lane
         if (
-            not self._rt.ready
+            link is None
+            or local is None
+            or not self._rt.ready
             or link.state is not LinkState.ACTIVE
             or link.slot.busy
             or link.slot.waiting
@@ -196,10 +216,14 @@ class FastPulls:
         nbytes = len(dst_blocks) * r.block_span
         if not 0 < nbytes <= lane.max_bytes or len(src_blocks) != len(dst_blocks):
             return False  # (a larger pull takes the whole path; the lane stays)
+        try:
+            local.hold()
+        except LLMException:  # freed meanwhile, from another thread: nothing moved
+            self._drop(r)
+            return False  # (the whole path says so; nothing was counted)
         m = link.metrics
         m.started += 1
         start = time.perf_counter()
-        local.hold()
         token = API_CONTEXT.set(_API)  # (errors name the call, as under @public)
         try:
             landed = lane.pull(src_blocks, dst_blocks, r.span)
@@ -227,14 +251,21 @@ class FastPulls:
             return
         for routes in list(self._routes.values()):  # (what can never run again goes)
             for r in list(routes):
-                if r.link.state is not LinkState.ACTIVE or r.local.freed:
+                gone, entry = r.link(), r.local()
+                if (
+                    gone is None
+                    or gone.state is not LinkState.ACTIVE
+                    or entry is None
+                    or entry.freed
+                    or r.dst_cache() is None
+                ):
                     self._drop(r)
         routes = self._routes.get(id(dst_cache), [])
         for r in routes:
-            if r.dst_cache is dst_cache and r.key == key:
+            if r.dst_cache() is dst_cache and r.key == key:
                 if (
                     r.version == link.path.remote_table.version
-                    and r.link is link
+                    and r.link() is link
                     and r.remote is remote
                     and r.src_layers == request.src_layers
                     and r.dst_layers == request.dst_layers
@@ -243,7 +274,12 @@ class FastPulls:
                     return  # kept already (it declined this pull: too large, say)
                 self._drop(r)
                 break
-        version = link.path.remote_table.version
+        table = link.path.remote_table
+        version = table.version
+        if table.blocks(key.model_id) is not remote:
+            # The table changed while the pull ran (the key now names another cache, or
+            # the cache went): a lane made now would keep the old cache at the new version.
+            return
         try:
             lane = link.path.lane(remote, request.local)
         except LLMException:
@@ -264,12 +300,12 @@ class FastPulls:
         self._count += 1
 
     def _drop(self, route: _Route) -> None:
-        routes = self._routes.get(id(route.dst_cache))
+        routes = self._routes.get(route.dst_id)
         if routes is None or route not in routes:
             return
         routes.remove(route)
         if not routes:
-            del self._routes[id(route.dst_cache)]
+            del self._routes[route.dst_id]
         self._count -= 1
         route.lane.close()
 

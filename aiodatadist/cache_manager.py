@@ -95,6 +95,7 @@ class CacheManager(PushMixin, LocalMixin, LayerwiseMixin):
     async def _shutdown(self, timeout: float | None = None) -> None:
         """Finalize: cancels the running pipelines and waits for them (at most ``timeout``)."""
         await self._pipelines.shutdown(timeout)
+        self._lanes.clear()  # (no lane outlives the instance: links, caches, mappings)
 
     # ------------------------------------------------------------ registration
 
@@ -282,8 +283,6 @@ class CacheManager(PushMixin, LocalMixin, LayerwiseMixin):
         """
         lanes = self._lanes
         if lanes and not v1_names:  # a small repeated pull: its kept lane (aiodatadist._lanes)
-            if time.monotonic() >= lanes.yield_due:
-                await lanes.pause()  # (lane pulls never suspend: once a ms, they yield)
             if lanes.pull(
                 src_cache_key,
                 dst_cache,
@@ -294,6 +293,10 @@ class CacheManager(PushMixin, LocalMixin, LayerwiseMixin):
                 tensor_num_per_layer,
                 timeout,
             ):
+                # Lane pulls never suspend: once a ms, one yields, *after* its bytes landed
+                # (a yield before would let a later call's lane pull run first: FIFO).
+                if time.monotonic() >= lanes.yield_due:
+                    await lanes.pause()
                 return
         await _pull_blocks(
             self,
