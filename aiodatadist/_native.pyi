@@ -153,6 +153,34 @@ def cma_read_layered(
 ) -> None:
     """``cma_read`` as one job cut into layers, signalled as :func:`copy_local_layered`."""
 
+class StartedJob:
+    """A native job running on a mover pool thread (:func:`start_layered`)."""
+
+    def wait(self) -> None:
+        """Returns once the job has returned (running it here if no pool thread took it
+        yet); raises its error (the first wait only). GIL released."""
+    @property
+    def done(self) -> bool: ...
+
+def start_layered(
+    pid: int,
+    plan: Plan,
+    src_bases: Sequence[int],
+    dst_bases: Sequence[int],
+    bounds: Sequence[int],
+    control: Control,
+    threads: int,
+    efd: int,
+    lease_addr: int,
+    lease_gen: int,
+    nice: int,
+) -> StartedJob:
+    """:func:`copy_local_layered` (``pid`` 0) or :func:`cma_read_layered`, started now on a
+    mover pool thread running at ``nice``; the GIL is held throughout (it only queues).
+    With ``lease_addr``, the job enters that lease slot first (``Status.STALE`` when
+    ``lease_gen`` is not current: nothing moved) and leaves it at the end. The handle
+    keeps ``plan`` and ``control`` alive; dropping it waits for the job."""
+
 def cma_write(
     pid: int,
     plan: Plan,

@@ -192,6 +192,15 @@ PYBIND11_MODULE(_native, m) {
   m.def("cma_read_layered", &cma_read_layered, py::arg("pid"), py::arg("plan"), py::arg("remote_src_bases"),
         py::arg("local_dst_bases"), py::arg("bounds"), py::arg("control"), py::arg("threads"), py::arg("efd"),
         py::arg("lease_addr") = 0, py::arg("lease_gen") = 0, gil_release());
+  // A layered pull started on a mover pool thread now (GIL held: no thread switch before
+  // the first byte); the executor's worker only waits (see _executor.Prestart).
+  py::class_<StartedJob>(m, "StartedJob")
+      .def("wait", &StartedJob::wait, gil_release())
+      .def_property_readonly("done", &StartedJob::done);
+  m.def("start_layered", &start_layered, py::arg("pid"), py::arg("plan"), py::arg("src_bases"),
+        py::arg("dst_bases"), py::arg("bounds"), py::arg("control"), py::arg("threads"), py::arg("efd"),
+        py::arg("lease_addr"), py::arg("lease_gen"), py::arg("nice"), py::keep_alive<0, 2>(),
+        py::keep_alive<0, 6>(), py::return_value_policy::take_ownership);
   m.def("cma_write", &cma_write, py::arg("pid"), py::arg("plan"), py::arg("local_src_bases"),
         py::arg("remote_dst_bases"), py::arg("control"), py::arg("threads") = 1, gil_release());
   m.def("sock_send", &sock_send, py::arg("fds"), py::arg("plan"), py::arg("src_bases"), py::arg("control"),

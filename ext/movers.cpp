@@ -265,9 +265,17 @@ void run_layered(const std::vector<Piece>& pieces, const std::vector<uint64_t>& 
   if (prev != pieces.size())
     throw Error(Status::PARAM_INVALID, "layered transfer: the last layer bound must be the plan's segment count");
   const size_t layers = bounds.size();
-  std::vector<std::vector<Piece>> chunks;
-  std::vector<size_t> chunk_layer;
-  std::vector<uint64_t> chunk_bytes;
+  // A chunk is a run of at most kLayerChunk bytes of one layer: from byte `off` of piece
+  // `piece` on, `bytes` long, across the pieces that follow. Only the runs are listed
+  // here (one allocation); each thread cuts its chunk's pieces when it takes it, so the
+  // first bytes move without a per-chunk allocation for the whole transfer first.
+  struct Chunk {
+    size_t piece;
+    uint64_t off, bytes;
+    size_t layer;
+  };
+  std::vector<Chunk> chunks;
+  chunks.reserve(static_cast<size_t>(ctl.total() / kLayerChunk) + layers + 1);
   std::vector<std::atomic<uint64_t>> left(layers);
   size_t start = 0;
   for (size_t l = 0; l < layers; ++l) {
@@ -277,14 +285,11 @@ void run_layered(const std::vector<Piece>& pieces, const std::vector<uint64_t>& 
       uint64_t off = 0;
       while (off < p.nbytes) {
         if (fill == kLayerChunk) {
-          chunks.emplace_back();
-          chunk_layer.push_back(l);
-          chunk_bytes.push_back(0);
+          chunks.push_back({k, off, 0, l});
           fill = 0;
         }
         uint64_t take = std::min(p.nbytes - off, kLayerChunk - fill);
-        chunks.back().push_back({p.src + off, p.dst + off, take});
-        chunk_bytes.back() += take;
+        chunks.back().bytes += take;
         fill += take;
         off += take;
       }
@@ -293,6 +298,22 @@ void run_layered(const std::vector<Piece>& pieces, const std::vector<uint64_t>& 
     left[l].store(layer_bytes, std::memory_order_relaxed);
     start = bounds[l];
   }
+  auto cut = [&](const Chunk& ch, std::vector<Piece>& out) {
+    out.clear();
+    size_t k = ch.piece;
+    uint64_t off = ch.off, rest = ch.bytes;
+    while (rest > 0) {
+      const Piece& p = pieces[k];
+      uint64_t take = std::min(p.nbytes - off, rest);
+      out.push_back({p.src + off, p.dst + off, take});
+      rest -= take;
+      off += take;
+      if (off == p.nbytes) {
+        ++k;
+        off = 0;
+      }
+    }
+  };
   std::atomic<size_t> next{0};
   std::mutex mu;  // guards landed and signalled
   std::vector<char> landed(layers, 0);
@@ -312,14 +333,17 @@ void run_layered(const std::vector<Piece>& pieces, const std::vector<uint64_t>& 
     if (r < 0) throw Error(Status::IO_ERROR, std::string("layer signal: ") + std::strerror(errno), errno);
   };
   run_parallel(n, ctl, [&](size_t) {
+    std::vector<Piece> part;  // this thread's current chunk, cut from the pieces
     for (;;) {
       ctl.check();
       const size_t c = next.fetch_add(1, std::memory_order_relaxed);
       if (c >= chunks.size()) return;
-      copy(chunks[c]);
-      const size_t l = chunk_layer[c];
+      cut(chunks[c], part);
+      copy(part);
+      const size_t l = chunks[c].layer;
+      const uint64_t bytes = chunks[c].bytes;
       // acq_rel: whoever takes a layer to 0 sees every thread's bytes of it.
-      if (left[l].fetch_sub(chunk_bytes[c], std::memory_order_acq_rel) != chunk_bytes[c]) continue;
+      if (left[l].fetch_sub(bytes, std::memory_order_acq_rel) != bytes) continue;
       bool any = false;
       {
         std::lock_guard<std::mutex> lock(mu);
@@ -403,6 +427,27 @@ void cma_read_layered(int pid, const Plan& plan, const std::vector<uint64_t>& re
   ctl.set_total(total);
   run_layered(pieces, bounds, ctl, thread_count(total, threads), efd, lease_addr, lease_gen_,
               [&](const std::vector<Piece>& part) { cma_pieces(pid, part, true, ctl); });
+}
+
+StartedJob* start_layered(int pid, const Plan& plan, std::vector<uint64_t> src, std::vector<uint64_t> dst,
+                          std::vector<uint64_t> bounds, Control& ctl, int threads, int efd,
+                          uint64_t lease_addr, uint64_t lease_gen, int nice) {
+  if (pid < 0) throw Error(Status::PARAM_INVALID, "pid must be >= 0 (0: a local copy)");
+  auto body = [=, &plan, &ctl, src = std::move(src), dst = std::move(dst), bounds = std::move(bounds)]() {
+    if (lease_addr != 0 && !lease_enter(lease_addr, lease_gen))
+      throw Error(Status::STALE, "the peer's lease of the cache is not current: nothing moved");
+    struct Leave {
+      uint64_t addr;
+      ~Leave() {
+        if (addr != 0) lease_exit(addr);
+      }
+    } leave{lease_addr};
+    if (pid == 0)
+      copy_local_layered(plan, src, dst, bounds, ctl, threads, efd, lease_addr, lease_gen);
+    else
+      cma_read_layered(pid, plan, src, dst, bounds, ctl, threads, efd, lease_addr, lease_gen);
+  };
+  return new StartedJob(std::move(body), nice);
 }
 
 int cma_probe(int pid) {

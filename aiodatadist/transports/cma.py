@@ -113,9 +113,11 @@ class CmaPath(Path):
     ) -> None:
         # One process_vm_readv job over the whole plan, each layer signalled on cut.fd once
         # it landed and the lease was seen still current; never inline (see InprocPath).
+        # The job enters the lease before a byte moves and leaves it at the end (as
+        # ``leased``), on a mover thread started as it is queued.
         page, slot, gen = await self._lease(call, remote)
-        job = functools.partial(
-            _native.cma_read_layered,
+        start = functools.partial(
+            _native.start_layered,
             self.pid,
             plan,
             remote.addrs,
@@ -126,7 +128,23 @@ class CmaPath(Path):
             lease_addr=page.addr(slot),
             lease_gen=gen,
         )
-        await call.run(leased(page, slot, gen, None, remote.cache_id, job))
+        api, cache_id = call.api, remote.cache_id
+
+        def stale(err: _native.NativeError, _page: LeasePage = page) -> BaseException | None:
+            # (``_page`` keeps the lease page mapped while the job can run.)
+            if err.status != _native.Status.STALE:
+                return None
+            from .._leases import LeaseStale  # the runner refreshes and retries on it
+
+            return failure(
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                f"the peer re-registered or freed cache {cache_id} (its lease is no longer "
+                "current)",
+                api=api,
+                kind=LeaseStale,
+            )
+
+        await call.run(call.executor.prestart(start, stale))
 
     async def push(
         self, plan: _native.Plan, local: CacheEntry, remote: CacheEntry, call: Call

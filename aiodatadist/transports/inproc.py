@@ -76,14 +76,18 @@ class InprocPath(Path):
         require_host_memory("inproc", remote, local)
         # One native job over the whole plan: threads and copy kernel chosen on the whole,
         # each layer signalled on cut.fd from the mover threads (never inline: the loop
-        # must stay free to hand layers over while the rest moves).
-        job = functools.partial(
-            _native.copy_local_layered,
+        # must stay free to hand layers over while the rest moves). Started on a mover
+        # thread as it is queued (no worker handoff before the first layer's bytes).
+        start = functools.partial(
+            _native.start_layered,
+            0,
             plan,
             remote.addrs,
             local.addrs,
             cut.bounds(plan),
             threads=call.mover_threads,
             efd=cut.fd,
+            lease_addr=0,
+            lease_gen=0,
         )
-        await call.run(job)
+        await call.run(call.executor.prestart(start))

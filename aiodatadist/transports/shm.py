@@ -111,7 +111,6 @@ class ShmPath(Path):
         writable: bool,
         plan: _native.Plan,
         local: CacheEntry,
-        cut: LayerCut | None = None,
     ) -> Any:
         fds = self._channel()
         page = await fds.peer_page(call.deadline)
@@ -120,23 +119,7 @@ class ShmPath(Path):
         src, dst = (local.addrs, addrs) if writable else (addrs, local.addrs)
         assert remote.lease is not None  # RemotePath.path_for checks it
         slot, gen = remote.lease
-        copy: Any
-        if cut is None:
-            copy = functools.partial(_copy, seg, plan, src, dst, call.mover_threads)
-        else:
-            # Each layer is signalled only once the lease is seen still current after it.
-            lease = (page.addr(slot), gen)
-            copy = functools.partial(
-                _copy_layered,
-                seg,
-                plan,
-                src,
-                dst,
-                cut.bounds(plan),
-                call.mover_threads,
-                cut.fd,
-                lease,
-            )
+        copy = functools.partial(_copy, seg, plan, src, dst, call.mover_threads)
         return leased(page, slot, gen, None, remote.cache_id, copy)
 
     def lane(self, remote: CacheEntry, local: CacheEntry) -> CopyLane | None:
@@ -196,8 +179,44 @@ class ShmPath(Path):
         call: Call,
         cut: LayerCut,
     ) -> None:
-        job = await self._job(call, remote, False, plan, local, cut)
-        await self._run(call, job, plan, inline=False)
+        # One native job over the whole plan (the mapping's copy under the lease), each
+        # layer signalled on cut.fd once it landed and the lease was seen still current;
+        # started on a mover thread as it is queued, and never inline (see InprocPath).
+        page = await self._channel().peer_page(call.deadline)
+        seg = await self._segment(call, remote, False)
+        assert remote.lease is not None  # RemotePath.path_for checks it
+        slot, gen = remote.lease
+        start = functools.partial(
+            _native.start_layered,
+            0,
+            plan,
+            [seg.addr + off for off in remote.shm_offsets],
+            local.addrs,
+            cut.bounds(plan),
+            threads=call.mover_threads,
+            efd=cut.fd,
+            lease_addr=page.addr(slot),
+            lease_gen=gen,
+        )
+        api, cache_id = call.api, remote.cache_id
+
+        def stale(
+            err: _native.NativeError, _keep: tuple[Any, ...] = (page, seg)
+        ) -> BaseException | None:
+            # (``_keep``: the lease page and the segment stay mapped while the job can run.)
+            if err.status != _native.Status.STALE:
+                return None
+            from .._leases import LeaseStale  # the runner refreshes and retries on it
+
+            return failure(
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                f"the peer re-registered or freed cache {cache_id} (its lease is no longer "
+                "current)",
+                api=api,
+                kind=LeaseStale,
+            )
+
+        await self._run(call, call.executor.prestart(start, stale), plan, inline=False)
 
     async def _run(self, call: Call, job: Any, plan: _native.Plan, inline: bool = True) -> None:
         self._busy += 1
@@ -254,20 +273,3 @@ def _copy(
     # ``seg`` rides along so the mapping outlives the job whatever happens to the path.
     del seg
     _native.copy_local(plan, src, dst, control, threads)
-
-
-def _copy_layered(
-    seg: _native.ShmSegment,
-    plan: _native.Plan,
-    src: list[int],
-    dst: list[int],
-    bounds: list[int],
-    threads: int,
-    efd: int,
-    lease: tuple[int, int],
-    control: _native.Control,
-) -> None:
-    del seg  # as _copy: keeps the mapping alive for the job
-    _native.copy_local_layered(
-        plan, src, dst, bounds, control, threads, efd, lease_addr=lease[0], lease_gen=lease[1]
-    )

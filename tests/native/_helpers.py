@@ -191,6 +191,21 @@ class Background:
         return self.error
 
 
+def as_mover(fn: Any) -> Any:
+    """``fn`` run at the transfer workers' priority (nice 5, as the engine's movers run).
+
+    A threaded mover's pool threads take the priority of the thread that submits them:
+    at nice 5 they cannot starve a test thread that watches the copy (``abort_after``)
+    on a machine with fewer free cores than movers.
+    """
+
+    def run(*args: Any) -> Any:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)
+        return fn(*args)
+
+    return run
+
+
 def abort_after(ctl: n.Control, at_least: int, timeout: float = REPLY_TIMEOUT) -> int:
     """Spins until ``ctl.bytes_done >= at_least``, aborts, and returns ``bytes_done`` as read
     right after the abort. From then on a mover may finish only the chunk each of its

@@ -17,7 +17,7 @@ import pytest
 from aiodatadist import _native as n
 from aiodatadist._native import Status
 from aiodatadist.transports.base import LayerCut
-from tests.native._helpers import Background, bases, geometry_of, pattern, raises
+from tests.native._helpers import Background, abort_after, bases, geometry_of, pattern, raises
 
 BB = 64 << 10  # block bytes
 
@@ -151,3 +151,80 @@ def test_abort_before_start_signals_nothing(efd: int) -> None:
             plan, bases(src), bases(dst), LayerCut(efd, 0, 2, 4).bounds(plan), ctl, 2, efd
         )
     assert _drain(efd) == 0 and not dst.any()
+
+
+# ------------------------------------------------------------------ start_layered
+
+
+@pytest.mark.parametrize("mover", ["local", "cma"])
+def test_started_job_moves_every_layer_and_waits(efd: int, mover: str) -> None:
+    # Started on a mover pool thread: it moves while this thread does nothing; wait()
+    # returns once it has, and every layer was signalled, in full.
+    src, dst, sb, db, plan = _setup(8, 2, 16, seed=0x5EED_0700 + (mover == "cma"))
+    bounds = LayerCut(efd, 0, 2, 8).bounds(plan)
+    ctl = n.Control()
+    pid = 0 if mover == "local" else os.getpid()
+    job = n.start_layered(pid, plan, bases(src), bases(dst), bounds, ctl, 2, efd, 0, 0, 0)
+    landed, end = 0, time.monotonic() + 30
+    while landed < 8:  # the layers land without anyone calling into the job
+        assert time.monotonic() < end, f"only {landed} layers signalled before wait()"
+        select.select([efd], [], [], 1.0)
+        landed += _drain(efd)
+    job.wait()
+    assert job.done and landed == 8 and _drain(efd) == 0
+    assert ctl.bytes_done == ctl.total == plan.total_bytes
+    assert np.array_equal(dst, _want(src, dst.shape, sb, db))
+    job.wait()  # again: returns (the error, had there been one, is raised once)
+
+
+def test_started_job_enters_and_leaves_the_lease(efd: int) -> None:
+    src, dst, sb, db, plan = _setup(4, 2, 8, seed=0x5EED_0800)
+    bounds = LayerCut(efd, 0, 2, 4).bounds(plan)
+    slot = np.zeros(2, dtype=np.uint64)  # {gen, readers|pad}: one lease slot
+    slot[0] = 9
+    addr = slot.ctypes.data
+    # Not current: STALE, nothing moved, nothing signalled, no reader left behind.
+    job = n.start_layered(0, plan, bases(src), bases(dst), bounds, n.Control(), 1, efd, addr, 8, 0)
+    with raises(Status.STALE, "lease", "nothing moved"):
+        job.wait()
+    assert not dst.any() and _drain(efd) == 0 and n.lease_readers(addr) == 0
+    # Current: every layer lands and is signalled, and the job left the lease at the end.
+    job = n.start_layered(0, plan, bases(src), bases(dst), bounds, n.Control(), 1, efd, addr, 9, 0)
+    job.wait()
+    assert n.lease_readers(addr) == 0
+    assert _drain(efd) == 4 and np.array_equal(dst, _want(src, dst.shape, sb, db))
+
+
+def test_started_job_aborted_and_dropped_handle_waits(efd: int) -> None:
+    # 64 layers of 4 MiB (256 MiB): aborted after some bytes, wait() raises ABORTED once the
+    # job has returned; a handle dropped mid-job waits for it (nothing moves afterwards).
+    layers, tpl, blocks = 64, 2, 32
+    src, dst, _sb, _db, plan = _setup(layers, tpl, blocks, seed=0x5EED_0900)
+    bounds = LayerCut(efd, 0, tpl, layers).bounds(plan)
+    ctl = n.Control()
+    # (nice 5, as in the engine: the movers never starve this thread's abort_after)
+    job = n.start_layered(0, plan, bases(src), bases(dst), bounds, ctl, 2, efd, 0, 0, 5)
+    abort_after(ctl, 8 << 20)
+    with raises(Status.ABORTED):
+        job.wait()
+    assert job.done and ctl.bytes_done < plan.total_bytes
+
+    ctl2 = n.Control()
+    job = n.start_layered(0, plan, bases(src), bases(dst), bounds, ctl2, 2, efd, 0, 0, 5)
+    abort_after(ctl2, 8 << 20)
+    del job  # waits for the job (its error dropped)
+    done = ctl2.bytes_done
+    time.sleep(0.05)
+    assert ctl2.bytes_done == done < plan.total_bytes
+
+
+def test_started_job_bad_arguments(efd: int) -> None:
+    src, dst, _sb, _db, plan = _setup(4, 2, 8, seed=0x5EED_0A00)
+    good = LayerCut(efd, 0, 2, 4).bounds(plan)
+    with raises(Status.PARAM_INVALID, "pid"):
+        n.start_layered(-1, plan, bases(src), bases(dst), good, n.Control(), 1, efd, 0, 0, 0)
+    # The job's own checks are raised by wait(), before a byte moved.
+    job = n.start_layered(0, plan, bases(src), bases(dst), good[:-1], n.Control(), 1, efd, 0, 0, 0)
+    with raises(Status.PARAM_INVALID, "layer"):
+        job.wait()
+    assert not dst.any() and _drain(efd) == 0

@@ -13,6 +13,7 @@ from aiodatadist._native import Status
 from tests.native._helpers import (
     Background,
     abort_after,
+    as_mover,
     bases,
     differing,
     geometry_of,
@@ -194,7 +195,7 @@ def test_abort_mid_copy_stops_within_one_chunk(
     dst[:] = 0
     plan = one_segment_plan(BIG)
     ctl = n.Control()
-    job = Background(n.copy_local, plan, bases(src), bases(dst), ctl, threads)
+    job = Background(as_mover(n.copy_local), plan, bases(src), bases(dst), ctl, threads)
     at_abort = abort_after(ctl, 2 * CHUNK)
     err = job.join_error()
 

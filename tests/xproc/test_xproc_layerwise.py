@@ -234,3 +234,67 @@ async def test_peer_frees_its_cache_mid_iteration(path: str) -> None:
         assert bad == [], f"layers {bad} were handed over with bytes that are not the source's"
         for k in got:
             assert np.array_equal(dst.matrix()[k], ref[k])
+
+
+@pytest.mark.parametrize("path", ["shm", "cma"])
+async def test_layers_never_come_from_a_dead_registration(path: str) -> None:
+    # The prompt frees and re-registers its cache under the same key (a new seed each
+    # time, freed memory filled with FREED first) while the decoder iterates layer by
+    # layer in a loop. A stream that started on a registration gone by then is refused
+    # before a byte moves (the lease is not current: the runner refreshes and retries) or
+    # fails (revoked mid-copy); every layer handed over holds the bytes of one live
+    # registration, never freed memory, and never a mix of two.
+    prompt_id, decoder_id, model, freed = 73, 74, 7, 0xEE
+    allocate = path == "shm"
+    spec = xc.Spec("cyc", True, allocate, (xc.NUM_BLOCKS, *xc.BLOCK_SHAPE), model_id=model)
+    async with Harness() as h:
+        prompt = await h.peer(cluster_id=prompt_id, data_path=path, seed=5, sync_ms=5000)
+        dd, _ = await h.local(
+            decoder_id, decoder_options(path, **{"llm.SyncKvCacheWaitTime": "8000"})
+        )
+        await link(dd, prompt, prompt_id)
+        first = next(_seeds)
+        await prompt.ok("register", name="cyc", model_id=model, seed=first, allocate=allocate)
+        seeds = [next(_seeds) for _ in range(12)]
+        refs = {s: xc.pattern(s, spec) for s in (first, *seeds)}
+        dst_spec = xc.Spec("dst", True, True, (xc.NUM_BLOCKS, *xc.BLOCK_SHAPE), model_id=40)
+        dst = xc.make_cache(dd, dst_spec, None, decoder_id)
+        blocks = list(range(xc.NUM_BLOCKS))
+        key = BlocksCacheKey(prompt_id, model)
+        cycle = asyncio.create_task(
+            prompt.call(
+                "cycle", name="cyc", model_id=model, allocate=allocate, seeds=seeds,
+                fill=freed, pause_ms=15, timeout=60,
+            )
+        )  # fmt: skip
+        ok, errors, fills = 0, {}, itertools.count(1)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 60
+        while not cycle.done() or ok < 3:
+            assert loop.time() < end, "no end to the cycle"
+            canary = next(fills) % 200 + 1  # a per-stream prefill (never FREED)
+            for v in dst.views:
+                v.fill(canary)
+            got: list[int] = []
+            try:
+                async for layer in dd.cache_manager.pull_blocks_layerwise(
+                    key, dst.cache, blocks, blocks, tensor_num_per_layer=1, timeout=5
+                ):
+                    got.append(layer.dst_layer)
+                    row = dst.matrix()[layer.dst_layer]
+                    assert not (row == freed).all(), f"layer {layer.dst_layer}: freed memory"
+                    assert any(np.array_equal(row, r[layer.dst_layer]) for r in refs.values())
+            except LLMException as e:
+                errors[e.status_code] = errors.get(e.status_code, 0) + 1
+                assert e.status_code in (
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                    LLMStatusCode.LLM_FAILED,
+                ), e
+                continue
+            ok += 1
+            full = dst.matrix()
+            match = [s for s, r in refs.items() if np.array_equal(full, r)]
+            assert match, f"stream {ok}: layers of more than one registration; errors {errors}"
+        reply = await cycle
+        assert reply["ok"], reply
+        assert ok >= 3
