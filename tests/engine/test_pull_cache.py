@@ -240,11 +240,15 @@ async def test_big_row_times_out_then_works() -> None:
         src = pair.prompt.cache_manager.allocate_cache(desc, [CacheKey(P, 5)])
         for t, v in enumerate(src.tensors()):
             v[0] = 7 + t
-        dst = pair.decoder.cache_manager.allocate_cache(desc)
+        # Never-touched destination memory (every page faults in during the copy) and a
+        # 1 ms deadline: one mover moves a prefaulted 256 MiB row in ~5 ms here, which a
+        # 5 ms deadline raced on a loaded machine.
+        keep = [np.empty((2, 128 * MIB), np.uint8) for _ in range(2)]
+        dst = pair.decoder.cache_manager.register_cache(desc, keep)
         loop = asyncio.get_running_loop()
         start = loop.time()
         with pytest.raises(LLMTimeoutError) as info:
-            await pair.decoder.cache_manager.pull_cache(CacheKey(P, 5), dst, 1, timeout=0.005)
+            await pair.decoder.cache_manager.pull_cache(CacheKey(P, 5), dst, 1, timeout=0.001)
         assert loop.time() - start < BOUND_S
         assert info.value.status_code == LLMStatusCode.LLM_TIMEOUT
         assert executor_of(pair.decoder).in_flight == 0
