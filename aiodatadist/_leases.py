@@ -76,6 +76,20 @@ def _stale(api: str, cache_id: int) -> LLMException:
     )
 
 
+def stale_as_lease_stale(
+    api: str, cache_id: int, keep: tuple[Any, ...]
+) -> Callable[[_native.NativeError], BaseException | None]:
+    """For a layered job started natively under the lease (``_executor.Prestart``): its
+    ``Status.STALE`` (the lease was not current, nothing moved) as :class:`LeaseStale`, on
+    which the runner refreshes and retries; other errors as they are. ``keep`` (the lease
+    page, a mapping) stays referenced, so mapped, while the job can run."""
+
+    def translate(err: _native.NativeError, _keep: tuple[Any, ...] = keep) -> BaseException | None:
+        return _stale(api, cache_id) if err.status == _native.Status.STALE else None
+
+    return translate
+
+
 class Channel(Protocol):
     """What the book needs of a link's fd channel (:class:`aiodatadist._fdchannel.FdChannel`)."""
 

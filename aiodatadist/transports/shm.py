@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _native
 from .._executor import ONE_SIDED_INLINE_MAX_BYTES
-from .._leases import leased
+from .._leases import leased, stale_as_lease_stale
 from ..config import DataPath
 from ..errors import LLMStatusCode, failure, from_native
 from .base import Call, CopyLane, LayerCut, Path
@@ -198,24 +198,7 @@ class ShmPath(Path):
             lease_addr=page.addr(slot),
             lease_gen=gen,
         )
-        api, cache_id = call.api, remote.cache_id
-
-        def stale(
-            err: _native.NativeError, _keep: tuple[Any, ...] = (page, seg)
-        ) -> BaseException | None:
-            # (``_keep``: the lease page and the segment stay mapped while the job can run.)
-            if err.status != _native.Status.STALE:
-                return None
-            from .._leases import LeaseStale  # the runner refreshes and retries on it
-
-            return failure(
-                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                f"the peer re-registered or freed cache {cache_id} (its lease is no longer "
-                "current)",
-                api=api,
-                kind=LeaseStale,
-            )
-
+        stale = stale_as_lease_stale(call.api, remote.cache_id, (page, seg))
         await self._run(call, call.executor.prestart(start, stale), plan, inline=False)
 
     async def _run(self, call: Call, job: Any, plan: _native.Plan, inline: bool = True) -> None:
