@@ -494,8 +494,8 @@ async def test_a_pull_right_after_the_peer_died_fails_cleanly_or_lands_its_bytes
             with open(f"/proc/{pid}/stat") as f:  # noqa: ASYNC230 - no await wanted
                 if f.read().split(") ", 1)[1].startswith("Z"):
                     break
-        except FileNotFoundError:
-            break  # (reaped already, by a child watcher's thread)
+        except (FileNotFoundError, ProcessLookupError):
+            break  # (reaped already, or being reaped, by a child watcher's thread)
         time.sleep(0.001)  # noqa: ASYNC251 - the loop must not run
     dst = side.local["reg"]
     before = side.prefill(dst)
