@@ -126,13 +126,42 @@ def assert_big_pulled(
 # ------------------------------------------------------ waiting, bounded
 
 
-async def wait_until(pred: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    """Waits (bounded) until ``pred()`` holds; a test-side poll, never engine code."""
+async def wait_until(
+    pred: Callable[[], bool], timeout: float = 10.0, what: str = "", poll: float = 0.001
+) -> None:
+    """Waits (bounded) until ``pred()`` holds; a test-side poll, never engine code.
+
+    ``poll=0`` checks on every loop iteration: for a state that may last only a few
+    milliseconds (a big pull in flight on a fast machine)."""
     end = time.monotonic() + timeout
     while not pred():
         if time.monotonic() > end:
             raise AssertionError(f"timed out waiting for {what or pred}")
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(poll)
+
+
+async def fire_when_in_flight(
+    executor: Any, ended: Callable[[], bool], action: Callable[[], object],
+    timeout: float = 20.0,
+) -> float | None:
+    """Calls ``action()`` (a cancel) as soon as ``executor`` has a job in flight, and returns
+    the loop time it did; ``None`` when the pull ended first (``ended()``), untouched.
+
+    The check runs on every loop iteration, yet a pull that moves a few hundred MiB in
+    tens of milliseconds can still end unseen when the loop thread is descheduled that
+    long (CI's noisy neighbours, two CPU burners): the caller then tries again rather than
+    waiting for a job that has come and gone."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while executor.in_flight < 1:
+        if ended():
+            return None
+        if loop.time() > end:
+            raise AssertionError("timed out waiting for the big pull's native job")
+        await asyncio.sleep(0)
+    fired = loop.time()
+    action()
+    return fired
 
 
 def executor_of(dd: LLMDataDist) -> Any:
