@@ -3,8 +3,11 @@
 The decoder maps the prompt's segment at its first pull and fills that mapping's page
 tables on a thread of its own (ext/shm.cpp). After that, a second identical pull, and a
 pull of blocks never pulled before, take (almost) no minor page faults in the decoder:
-faults are counts, so this asserts them, generously (< 1% of the pulled pages; faulting
-them in lazily would take one per 16 pages, 64 KiB at a time). Bytes are checked too.
+faults are counts of the whole process, so this asserts them generously: under a quarter
+of what faulting the mapping in lazily takes (one fault per 16 pages, 64 KiB at a time);
+the rest of the process (the loop's other tasks, Python's allocations) faults now and
+then, more on a loaded machine (85 in one pull of 8,192 pages beside two CPU burners).
+Bytes are checked too.
 """
 
 from __future__ import annotations
@@ -57,4 +60,4 @@ async def test_warm_shm_mapping_takes_no_page_faults() -> None:
             await cm.pull_blocks(pair.key(), dst.cache, blocks, to, timeout=60)
             faults = minor_faults() - before
             assert not pair.mismatches(dst, blocks, to)
-            assert faults < 0.01 * pages, f"{faults} minor faults pulling {pages} pages"
+            assert faults < pages // 64, f"{faults} minor faults pulling {pages} pages"
