@@ -12,6 +12,7 @@ private rendezvous directory for two-sided links (``AIODATADIST_RUNDIR``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -29,12 +30,24 @@ RUN_TIMEOUT_S = 40.0
 LEFTOVER_GRACE_S = 3.0
 
 
-def _session_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def _session_alive(sid: int) -> bool:
+    """Whether a process of session ``sid`` still runs. A zombie does not count: a child
+    the script never waited for is reparented to PID 1 when the script exits, and waits
+    there (seconds, in some containers) to be reaped; it runs nothing any more."""
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue  # gone meanwhile
+            # pid (comm) state ppid pgrp session ...: comm may hold spaces and parentheses.
+            fields = stat[stat.rindex(b")") + 2 :].split()
+            if int(fields[3]) == sid and fields[0] != b"Z":
+                return True
+    return False
 
 
 def run_client(
@@ -69,11 +82,9 @@ def run_client(
     end = time.monotonic() + LEFTOVER_GRACE_S
     while _session_alive(proc.pid) and time.monotonic() < end:
         time.sleep(0.02)
-    leftovers = True
-    try:
+    leftovers = _session_alive(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # anything still in the script's session
-    except ProcessLookupError:
-        leftovers = False
     assert not leftovers, f"{script} ({loop}) left processes running\nstdout:\n{out}"
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
