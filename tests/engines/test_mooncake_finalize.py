@@ -1,5 +1,7 @@
 """finalize with a Mooncake transfer that cannot be cancelled: it returns only once
-nothing more can land in the user's memory (Mooncake's stall timeouts set to 1 s here).
+nothing more can land in the user's memory (Mooncake's stall timeouts set to 1 s here, and
+4 requests in flight per transfer instead of 32: Mooncake fails a stalled peer's requests
+one timeout per lane after another, so the wait grows with the window, not the property).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 
 from aiodatadist import BlocksCacheKey, LLMDataDist, LLMException, LLMRole
+from aiodatadist.transports import mooncake
 from tests._engines import require_engine
 from tests.xproc import xproc_common as xc
 from tests.xproc.xproc_harness import Harness, link
@@ -28,6 +31,7 @@ async def test_finalize_returns_only_when_nothing_more_can_land(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     require_engine("mooncake")
+    monkeypatch.setattr(mooncake, "WINDOW", 4)
     spec = xc.big_spec(MIB)
     async with Harness() as h:
         prompt = await h.peer(cluster_id=PROMPT, data_path="mooncake", big_mib=MIB, env=STALL)
