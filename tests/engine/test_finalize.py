@@ -283,7 +283,14 @@ async def test_every_call_after_finalize_is_runtime_error(pair: Pair) -> None:
 
 
 @pytest.mark.slow  # waits out several deadlines
-async def test_queued_calls_at_finalize_raise(pair: Pair) -> None:
+async def test_queued_calls_at_finalize_raise() -> None:
+    # finalize waits FinalizeTimeout for the gated holder (which never returns before it):
+    # 0.5 s, not the default 5 s.
+    async with inproc_pair(options={"aiodatadist.FinalizeTimeout": "500"}) as pair:
+        await _queued_calls_at_finalize_raise(pair)
+
+
+async def _queued_calls_at_finalize_raise(pair: Pair) -> None:
     pair.prompt_cache(seed=1, num_tensors=2, num_blocks=4, block_shape=BLOCK)
     dst = pair.decoder_cache(num_tensors=2, num_blocks=4, block_shape=BLOCK)
     channel = instrument(pair.decoder, 1)
