@@ -53,7 +53,7 @@ async def test_an_aborted_pull_in_flight_fences_its_destination(
         blocks = list(range(spec.shape[0]))
         await cm.pull_blocks(key, dst, [0], [0], timeout=10)  # connects
 
-        task = asyncio.ensure_future(cm.pull_blocks(key, dst, blocks, blocks, timeout=2))
+        task = asyncio.ensure_future(cm.pull_blocks(key, dst, blocks, blocks, timeout=0.5))
         await asyncio.sleep(0.03)
         os.kill(prompt.pid, signal.SIGSTOP)
         try:
@@ -108,7 +108,7 @@ async def test_finalize_waits_for_an_aborted_request_still_on_the_wire(
         key = BlocksCacheKey(PROMPT, xc.MODEL_BIG)
         blocks = list(range(spec.shape[0]))
         await cm.pull_blocks(key, dst, [0], [0], timeout=10)
-        task = asyncio.ensure_future(cm.pull_blocks(key, dst, blocks, blocks, timeout=1))
+        task = asyncio.ensure_future(cm.pull_blocks(key, dst, blocks, blocks, timeout=0.5))
         await asyncio.sleep(0.03)
         os.kill(prompt.pid, signal.SIGSTOP)
         resumed = asyncio.get_running_loop().create_future()
@@ -121,7 +121,7 @@ async def test_finalize_waits_for_an_aborted_request_still_on_the_wire(
             with pytest.raises(LLMException):
                 await task
             assert cm._caches.entries[dst.cache_id].late_writes == 1
-            asyncio.get_running_loop().call_later(2.0, resume)
+            asyncio.get_running_loop().call_later(1.0, resume)
             await dd.finalize()  # waits for the request the prompt finishes once resumed
             done = time.monotonic()
         finally:
