@@ -105,6 +105,9 @@ class FakeServer:
                 if msg.type == w.MsgType.PULL:
                     body = {"req": msg.body["req"], "status": self.done_status, "info": "fake"}
                     await w.write_message(writer, w.MsgType.DONE, body)
+                elif msg.type == w.MsgType.UNLINK:
+                    writer.close()  # as a real server answers an unlink (else: 1 s bound)
+                    return
 
     async def close(self) -> None:
         for wr in self.writers:
