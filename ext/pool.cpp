@@ -116,7 +116,11 @@ bool submit(Share* shares, size_t count, int nice) noexcept {
     // queues behind another job's share while the pool can grow.
     while (s->queue.size() > s->idle + s->starting && s->alive + s->starting < kMaxThreads) {
       try {
-        std::thread(worker, s).detach();
+        std::thread t(worker, s);
+        // Named here too: a thread not yet scheduled (a loaded machine) is already one of
+        // the pool's to whoever lists them (tools, the tests).
+        pthread_setname_np(t.native_handle(), "aiodd-mover");
+        t.detach();
       } catch (...) {
         break;  // the caller takes back what no thread takes
       }
