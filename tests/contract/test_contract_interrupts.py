@@ -120,9 +120,10 @@ async def _cancels(side: Side, big: xc.Local, model: int) -> None:
                 fire(lambda: setattr(scope, "deadline", anyio.current_time())))
             await watched_pull()
         fired = await watcher
-        assert scope.cancelled_caught == (fired is not None)
-        if fired is None:
+        if not scope.cancelled_caught:
+            # Ended unseen, or returned before anyio delivered the cancel: whole, again.
             continue
+        assert fired is not None
         assert loop.time() - fired < BOUND_S
         break
     else:
