@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -226,14 +227,25 @@ class PeerProcess:
         """
         if self._proc is not None or self.popen is not None:
             raise RuntimeError("the peer process was already started")
-        proc = await asyncio.create_subprocess_exec(
-            *self.argv(),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=self.stderr,
-            env=self.environment(),
-            start_new_session=self.new_session,
-        )
+        # uvloop runs Python in the forked child before its exec (PyOS_AfterFork_Child),
+        # where a garbage collection would finalize this process's objects in a copy
+        # without their threads (an engine's, say): one such child segfaulted here, and
+        # the parent aborted after it. CPython's subprocess disables the collector around
+        # its fork the same way.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self.argv(),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=self.stderr,
+                env=self.environment(),
+                start_new_session=self.new_session,
+            )
+        finally:
+            if collecting:
+                gc.enable()
         self._proc = proc
         self.pid = proc.pid
         ok = False
