@@ -270,12 +270,21 @@ class NixlAgent(EngineAgent):
         return conn
 
     def close(self) -> None:
-        for conn in list(self._conns):
+        conns = list(self._conns)
+        for conn in conns:
             conn.close()
         with self._lock:
             for descs in self._regs.values():
                 self.nx.deregister_memory(descs)
             self._regs.clear()
+            if not any(c._reaping for c in conns):
+                # Stopped now (its progress thread, its UCX context), not by whichever
+                # garbage collection finds the cycles a link's objects leave: one run in
+                # a child that uvloop forked (Python runs there before the exec) finalized
+                # the agent without its threads, and the child crashed. The wrapper's
+                # binding object is the agent. (With a request still being reaped, the
+                # last reaper needs it: it goes with the wrapper then.)
+                self.nx.agent = None
 
 
 class NixlConn(EngineConn):
