@@ -279,11 +279,13 @@ class NixlAgent(EngineAgent):
             self._regs.clear()
             if not any(c._reaping for c in conns):
                 # Stopped now (its progress thread, its UCX context), not by whichever
-                # garbage collection finds the cycles a link's objects leave: one run in
-                # a child that uvloop forked (Python runs there before the exec) finalized
-                # the agent without its threads, and the child crashed. The wrapper's
-                # binding object is the agent. (With a request still being reaped, the
-                # last reaper needs it: it goes with the wrapper then.)
+                # garbage collection finds the cycles a link's objects leave: that can be
+                # one in a child uvloop forked (Python runs there before the exec), which
+                # has none of the agent's threads (the likely cause of a crash seen beside
+                # CPU burners). The wrapper's binding object is the agent; a call still
+                # inside it keeps it alive until it returns, later ones fail (an
+                # LLMException of the transfer). With a request still being reaped, the
+                # last reaper needs it: it then goes with the wrapper.
                 self.nx.agent = None
 
 
