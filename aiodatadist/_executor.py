@@ -130,7 +130,16 @@ def _start_at_worker_nice(
 
 
 class _Work:
-    __slots__ = ("control", "future", "job", "loop")
+    """A queued job; :meth:`settle` runs on the job's loop once the job has returned.
+
+    A ``submit`` job settles :attr:`future` with the job's outcome. A ``run`` job
+    (``wake=True``) keeps its outcome here and only wakes :attr:`future`, which the
+    awaiting task awaits directly (one loop iteration from the worker's callback to the
+    task, where a wait on the outcome future would take two more); a cancel of that task
+    cancels the wake future, and :meth:`TransferExecutor.run` gives it a new one.
+    """
+
+    __slots__ = ("control", "done", "future", "job", "loop", "ok", "value", "wake")
 
     def __init__(
         self,
@@ -138,11 +147,24 @@ class _Work:
         control: _native.Control,
         loop: asyncio.AbstractEventLoop,
         future: asyncio.Future[Any],
+        wake: bool = False,
     ) -> None:
         self.job = job
         self.control = control
         self.loop = loop
         self.future = future
+        self.wake = wake
+        self.done = False  # set on the loop thread, with ok and value
+        self.ok = False
+        self.value: Any = None
+
+    def settle(self, ok: bool, value: Any) -> None:
+        if not self.wake:
+            _settle(self.future, ok, value)
+            return
+        self.done, self.ok, self.value = True, ok, value
+        if not self.future.done():
+            self.future.set_result(None)
 
 
 def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
@@ -227,6 +249,28 @@ async def quiesce(
             del first
 
 
+async def _wait_work(work: _Work, on_cancel: Callable[[], None]) -> None:
+    """:func:`quiesce` for a ``run`` job: waits on its wake future itself (a cancel of
+    the task cancels that future; a new one is made), until the job has returned."""
+    first: asyncio.CancelledError | None = None
+    with contextlib.ExitStack() as stack:
+        while not work.done:
+            try:
+                await work.future
+            except asyncio.CancelledError as exc:
+                if first is None:
+                    first = exc
+                    stack.enter_context(_cancel_shield())
+                    on_cancel()
+                if not work.done:
+                    work.future = work.loop.create_future()
+    if first is not None:
+        try:
+            raise first
+        finally:
+            del first
+
+
 class TransferExecutor:
     """A fixed pool of named threads running native transfer jobs.
 
@@ -290,7 +334,7 @@ class TransferExecutor:
                 if self._in_flight == 0:
                     self._idle.notify_all()
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
-                item.loop.call_soon_threadsafe(_settle, item.future, ok, value)
+                item.loop.call_soon_threadsafe(item.settle, ok, value)
             del item, value
 
     @staticmethod
@@ -310,6 +354,9 @@ class TransferExecutor:
         One queued behind busy workers waits for its turn as any job does (the pool
         bounds how many transfers move bytes at once); its worker starts it.
         """
+        return self._post(job, control, wake=False).future
+
+    def _post(self, job: Job, control: _native.Control, *, wake: bool) -> _Work:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         with self._lock:
@@ -324,8 +371,9 @@ class TransferExecutor:
             # Never raises (an error is raised by the worker); before the worker is woken,
             # which then competes with the mover for a CPU (and with this thread for the GIL).
             job.begin(control)
-        self._queue.put(_Work(job, control, loop, fut))
-        return fut
+        work = _Work(job, control, loop, fut, wake)
+        self._queue.put(work)
+        return work
 
     async def run(
         self,
@@ -370,7 +418,7 @@ class TransferExecutor:
                 return job(ctl)
             except _native.NativeError as err:
                 raise from_native(err, api) from err
-        fut = self.submit(job, ctl)
+        work = self._post(job, ctl, wake=True)
         expired = False
 
         def on_deadline() -> None:
@@ -383,13 +431,13 @@ class TransferExecutor:
             # A cancel aborts the job and keeps waiting: the slot and the buffers stay
             # held until native code has let go of them. A job that finished in the same
             # iteration as the cancel still honours the cancel.
-            await quiesce(fut, on_cancel=ctl.abort)
+            await _wait_work(work, ctl.abort)
         finally:
             if timer is not None:
                 timer.cancel()
-        error = fut.exception()
-        if error is None:
-            return fut.result()
+        if work.ok:
+            return work.value
+        error = work.value
         if isinstance(error, _native.NativeError):
             if error.status == _native.Status.ABORTED and expired:
                 done = (

@@ -22,32 +22,14 @@ from pathlib import Path
 
 import pytest
 
+from tests._procs import session_alive
+
 ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = ROOT / "examples" / "clients"
 LOOPS = ("asyncio", "uvloop")
 RUN_TIMEOUT_S = 40.0
 """One run's bound: under the 60 s test timeout, far above a run's few seconds."""
 LEFTOVER_GRACE_S = 3.0
-
-
-def _session_alive(sid: int) -> bool:
-    """Whether a process of session ``sid`` still runs. A zombie does not count: a child
-    the script never waited for is reparented to PID 1 when the script exits, and waits
-    there (seconds, in some containers) to be reaped; it runs nothing any more."""
-    with os.scandir("/proc") as entries:
-        for entry in entries:
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue  # gone meanwhile
-            # pid (comm) state ppid pgrp session ...: comm may hold spaces and parentheses.
-            fields = stat[stat.rindex(b")") + 2 :].split()
-            if int(fields[3]) == sid and fields[0] != b"Z":
-                return True
-    return False
 
 
 def run_client(
@@ -80,9 +62,9 @@ def run_client(
     # multiprocessing's resource tracker ends on its own once the script has exited (it
     # reads EOF): give the session a moment to empty, then kill what is left.
     end = time.monotonic() + LEFTOVER_GRACE_S
-    while _session_alive(proc.pid) and time.monotonic() < end:
+    while session_alive(proc.pid) and time.monotonic() < end:
         time.sleep(0.02)
-    leftovers = _session_alive(proc.pid)
+    leftovers = session_alive(proc.pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # anything still in the script's session
     assert not leftovers, f"{script} ({loop}) left processes running\nstdout:\n{out}"

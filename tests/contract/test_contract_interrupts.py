@@ -15,21 +15,18 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-from typing import Any
+from collections.abc import Awaitable
 
-import anyio
 import numpy as np
 import pytest
 
 from aiodatadist import BlocksCacheKey, LLMException, LLMStatusCode, LLMTimeoutError
 from tests.contract.contract_side import BOUND_S, PROMPT, Side
-from tests.engine._util import fire_when_in_flight
+from tests.engine._util import CANCEL_ATTEMPTS, cancel_in_flight
 from tests.xproc import xproc_common as xc
 from tests.xproc.xproc_harness import PeerProc, stop_when_bytes_land, until
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]  # 256 MiB caches on both ends
-
-ATTEMPTS = 5  # a pull that ends before its cancel could land is tried again
 
 ONE_SIDED = ("shm", "cma", "nixl")
 """Paths where the decoder reads the peer's memory without the peer's process taking part
@@ -75,59 +72,27 @@ async def _cancels(side: Side, big: xc.Local, model: int) -> None:
     cm = side.dd.cache_manager
     executor = side.dd._rt.executor
     assert executor is not None
-    loop = asyncio.get_running_loop()
 
-    def big_pull() -> object:
+    def big_pull() -> Awaitable[None]:
         return cm.pull_blocks(
             BlocksCacheKey(PROMPT, model), big.cache, everything, everything, timeout=30
         )
 
-    ended = [False]
-
-    async def watched_pull() -> None:
-        try:
-            await big_pull()  # type: ignore[misc]
-        finally:
-            ended[0] = True
-
-    def fire(action: Any) -> Any:
-        return fire_when_in_flight(executor, lambda: ended[0], action)
-
-    # task.cancel(); a pull that ends before the watcher sees it in flight (the loop thread
-    # descheduled for the whole copy) cancels nothing, and is tried again.
-    for _ in range(ATTEMPTS):
-        ended[0] = False
-        task = asyncio.create_task(watched_pull())
-        cancelled = await fire(task.cancel)
-        if cancelled is None:
-            await task
-            continue
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert loop.time() - cancelled < BOUND_S
-        break
-    else:
-        pytest.fail(f"the big pull ended before its cancel, {ATTEMPTS} times")
-    await side.wait_idle()
-    _only_fill_or_zero(big)
-    await side.pull("reg", side.src(), [2, 7], [7, 2])
-
-    # An anyio cancel scope whose deadline comes while the pull runs.
-    for _ in range(ATTEMPTS):
-        ended[0] = False
-        with anyio.move_on_after(60) as scope:
-            watcher = asyncio.create_task(
-                fire(lambda: setattr(scope, "deadline", anyio.current_time())))
-            await watched_pull()
-        fired = await watcher
-        if not scope.cancelled_caught:
-            # Ended unseen, or returned before anyio delivered the cancel: whole, again.
-            continue
-        assert fired is not None
-        assert loop.time() - fired < BOUND_S
-        break
-    else:
-        pytest.fail(f"the big pull ended before its cancel, {ATTEMPTS} times")
+    # task.cancel(), then an anyio cancel scope whose deadline comes while the pull runs;
+    # a pull that ends before its cancel could land cancels nothing, and is tried again.
+    for kind in ("task.cancel", "move_on_after"):
+        for _ in range(CANCEL_ATTEMPTS):
+            seen = await cancel_in_flight(executor, kind, big_pull)
+            if seen.caught:
+                assert seen.fired is not None
+                assert seen.done - seen.fired < BOUND_S, (kind, seen.done - seen.fired)
+                break
+        else:
+            pytest.fail(f"{kind}: the big pull ended before its cancel, {CANCEL_ATTEMPTS} times")
+        await side.wait_idle()
+        _only_fill_or_zero(big)
+        if kind == "task.cancel":
+            await side.pull("reg", side.src(), [2, 7], [7, 2])
     current = asyncio.current_task()
     assert current is not None and current.cancelling() == 0
     await side.wait_idle()
@@ -136,7 +101,7 @@ async def _cancels(side: Side, big: xc.Local, model: int) -> None:
     # And the big pull, left alone, lands whole.
     for v in big.views:
         v.fill(0)
-    await big_pull()  # type: ignore[misc]
+    await big_pull()
     for v in big.views:
         assert np.all(v == xc.BIG_FILL)
     side.check_path()

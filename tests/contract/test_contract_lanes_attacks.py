@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from aiodatadist import BlocksCacheKey
+from tests._procs import dead_now
 from tests.contract.contract_side import PROMPT, Side
 from tests.xproc import xproc_common as xc
 from tests.xproc.xproc_harness import assert_same
@@ -477,7 +478,6 @@ async def test_a_pull_right_after_the_peer_died_fails_cleanly_or_lands_its_bytes
     (no await in between) either lands the dead prompt's bytes exactly (shm: its memory is
     still mapped here) or raises an LLMException naming pull_blocks; the one after the
     loop saw the death fails."""
-    import time
 
     from aiodatadist import LLMException
 
@@ -488,15 +488,7 @@ async def test_a_pull_right_after_the_peer_died_fails_cleanly_or_lands_its_bytes
     pid = side.prompt.pid
     assert isinstance(pid, int)
     side.prompt.kill()  # type: ignore[union-attr]
-    end = time.monotonic() + 5
-    while time.monotonic() < end:  # (no await: the loop does not run)
-        try:
-            with open(f"/proc/{pid}/stat") as f:  # noqa: ASYNC230 - no await wanted
-                if f.read().split(") ", 1)[1].startswith("Z"):
-                    break
-        except (FileNotFoundError, ProcessLookupError):
-            break  # (reaped already, or being reaped, by a child watcher's thread)
-        time.sleep(0.001)  # noqa: ASYNC251 - the loop must not run
+    dead_now(pid)  # (no await: the loop does not run, the link cannot notice)
     dst = side.local["reg"]
     before = side.prefill(dst)
     try:

@@ -7,9 +7,10 @@ contain NaNs, which never compare equal.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -141,7 +142,9 @@ async def wait_until(
 
 
 async def fire_when_in_flight(
-    executor: Any, ended: Callable[[], bool], action: Callable[[], object],
+    executor: Any,
+    ended: Callable[[], bool],
+    action: Callable[[], object],
     timeout: float = 20.0,
 ) -> float | None:
     """Calls ``action()`` (a cancel) as soon as ``executor`` has a job in flight, and returns
@@ -162,6 +165,108 @@ async def fire_when_in_flight(
     fired = loop.time()
     action()
     return fired
+
+
+SCOPE_KINDS = ("asyncio.timeout", "task.cancel", "move_on_after", "fail_after", "task_group")
+"""The ways a caller cancels a pull in flight (:func:`cancel_in_flight`)."""
+
+CANCEL_ATTEMPTS = 5
+"""A pull that ends before its cancel could land is tried again, at most this often."""
+
+
+@dataclasses.dataclass
+class Cancelled:
+    """What :func:`cancel_in_flight` saw."""
+
+    caught: bool  # the scope caught the cancel it fired (and nothing escaped it)
+    fired: float | None  # the loop time the cancel was asked for (None: never)
+    landed: bool  # the pull returned: its bytes all landed
+    done: float  # the loop time code after the scope ran
+
+
+async def cancel_in_flight(
+    executor: Any, kind: str, pull: Callable[[], Awaitable[object]]
+) -> Cancelled:
+    """Runs ``pull()`` inside the cancel scope ``kind`` (:data:`SCOPE_KINDS`) and cancels
+    it by that scope as soon as ``executor`` has a job in flight (:func:`fire_when_in_flight`).
+
+    A scope that did not catch a cancel it fired, or caught one it never fired, fails
+    here. ``caught`` False: the pull ended before the cancel could land (unseen, or its
+    job ended in the iteration the cancel was asked for and it returned first): it must
+    then have landed whole, and the caller tries again (a library that ignored cancels
+    would fail every attempt)."""
+    import anyio
+
+    loop = asyncio.get_running_loop()
+    fired: list[float] = []
+    ended = [False]
+    landed = [False]
+
+    async def watched() -> None:
+        try:
+            await pull()
+            landed[0] = True
+        finally:
+            ended[0] = True
+
+    async def when_in_flight(action: Callable[[], object]) -> None:
+        at = await fire_when_in_flight(executor, lambda: ended[0], action)
+        if at is not None:
+            fired.append(at)
+
+    watchers: list[asyncio.Task[None]] = []
+    caught = False
+    if kind == "asyncio.timeout":
+        try:
+            async with asyncio.timeout(None) as cm:
+                watchers.append(
+                    asyncio.create_task(when_in_flight(lambda: cm.reschedule(loop.time())))
+                )
+                await watched()
+        except TimeoutError:
+            caught = True
+        assert caught == cm.expired(), kind
+    elif kind == "task.cancel":
+        task = asyncio.create_task(watched())
+        watchers.append(asyncio.create_task(when_in_flight(task.cancel)))
+        try:
+            await task
+        except asyncio.CancelledError:
+            caught = True
+        assert caught == task.cancelled(), kind
+    elif kind in ("move_on_after", "fail_after"):
+        ctx = anyio.move_on_after(60) if kind == "move_on_after" else anyio.fail_after(60)
+        timed_out = False
+        try:
+            with ctx as scope:
+                watchers.append(
+                    asyncio.create_task(
+                        when_in_flight(lambda: setattr(scope, "deadline", anyio.current_time()))
+                    )
+                )
+                await watched()
+        except TimeoutError:
+            assert kind == "fail_after"
+            timed_out = True
+        caught = scope.cancelled_caught
+        assert kind == "move_on_after" or timed_out == caught, kind
+    elif kind == "task_group":
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watched)
+            await when_in_flight(tg.cancel_scope.cancel)
+        caught = tg.cancel_scope.cancelled_caught
+    else:  # pragma: no cover
+        raise AssertionError(kind)
+    done = loop.time()  # code after the scope runs: nothing escaped it
+    for w in watchers:
+        await w
+    assert fired or not caught, f"{kind}: a scope caught a cancel that never fired"
+    assert caught or landed[0], f"{kind}: the pull neither landed nor raised into its scope"
+    if caught:
+        # The task is not left cancelling: a later await is not cancelled.
+        current = asyncio.current_task()
+        assert current is not None and current.cancelling() == 0, kind
+    return Cancelled(caught, fired[0] if fired else None, landed[0], done)
 
 
 def executor_of(dd: LLMDataDist) -> Any:

@@ -18,7 +18,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import anyio
@@ -35,15 +35,17 @@ from aiodatadist.testing import (
     pattern_mismatches,
 )
 from tests.engine._util import (
+    CANCEL_ATTEMPTS,
+    SCOPE_KINDS,
     SLOW_OPTIONS,
+    cancel_in_flight,
     executor_of,
-    fire_when_in_flight,
     link_of,
     wait_until,
 )
 
 PATHS = ["inproc", "shm", "cma", "tcp"]
-KINDS = ["asyncio.timeout", "task.cancel", "move_on_after", "fail_after", "task_group"]
+KINDS = list(SCOPE_KINDS)
 
 # 2 tensors x 32 blocks x 4 MiB: a whole-cache pull (256 MiB, one mover thread) is still
 # in flight when the cancel lands, and an aborted one ends at once.
@@ -78,17 +80,23 @@ class Rig:
         s, d = [3, 17, 30], [29, 0, 8]
         for t, arr in enumerate(self.src.tensors):
             arr[s] = pattern_blocks(seed, t, s, BLOCK_BYTES)
-        await self.pair.decoder.cache_manager.pull_blocks(self.key, self.dst.cache, s, d,
-                                                          timeout=30)
+        await self.pair.decoder.cache_manager.pull_blocks(
+            self.key, self.dst.cache, s, d, timeout=30
+        )
         assert pattern_mismatches(self.dst.tensors, s, d, seed) == []
 
 
 @contextlib.asynccontextmanager
 async def rig(path: str) -> AsyncIterator[Rig]:
-    async with inproc_pair(prompt_id=801, decoder_id=802, options=dict(SLOW_OPTIONS),
-                           data_path=path) as pair:
-        kw: dict[str, Any] = dict(num_tensors=TENSORS, num_blocks=BLOCKS,
-                                  block_shape=(BLOCK_BYTES,), data_type=DataType.DT_UINT8)
+    async with inproc_pair(
+        prompt_id=801, decoder_id=802, options=dict(SLOW_OPTIONS), data_path=path
+    ) as pair:
+        kw: dict[str, Any] = dict(
+            num_tensors=TENSORS,
+            num_blocks=BLOCKS,
+            block_shape=(BLOCK_BYTES,),
+            data_type=DataType.DT_UINT8,
+        )
         src = make_blocks_cache(pair.prompt, model_id=0, allocate=True, **kw)
         dst = make_blocks_cache(pair.decoder, **kw)
         r = Rig(pair, src, dst)
@@ -97,104 +105,31 @@ async def rig(path: str) -> AsyncIterator[Rig]:
         yield r
 
 
-ATTEMPTS = 5  # a pull that ends before its cancel could land is tried again
-
-
 async def _cancelled_by(r: Rig, kind: str) -> bool:
     """One big pull cancelled by ``kind`` while in flight; the scope must absorb it.
 
-    Returns False, with the link verified, when the pull ended before the watcher saw it in
-    flight (the loop thread descheduled for the whole copy): nothing was cancelled then."""
-    loop = asyncio.get_running_loop()
-    fired: list[float] = []
-    ended = [False]
-
-    landed = [False]  # the pull returned: its bytes all landed
-
-    async def big_pull() -> None:
-        try:
-            await r.big_pull()
-            landed[0] = True
-        finally:
-            ended[0] = True
-
-    def fire(action: Callable[[], Any]) -> Callable[[], Awaitable[None]]:
-        async def watcher() -> None:
-            at = await fire_when_in_flight(r.executor, lambda: ended[0], action)
-            if at is not None:
-                fired.append(at)
-
-        return watcher
-
-    watchers: list[asyncio.Task[None]] = []
-    caught = False
-    if kind == "asyncio.timeout":
-        try:
-            async with asyncio.timeout(None) as cm:
-                watchers.append(asyncio.create_task(fire(lambda: cm.reschedule(loop.time()))()))
-                await big_pull()
-        except TimeoutError:
-            caught = True
-        assert caught == cm.expired()
-    elif kind == "task.cancel":
-        task = asyncio.create_task(big_pull())
-        watchers.append(asyncio.create_task(fire(task.cancel)()))
-        try:
-            await task
-        except asyncio.CancelledError:
-            caught = True
-        assert caught == task.cancelled()
-    elif kind == "move_on_after":
-        with anyio.move_on_after(60) as scope:
-            watchers.append(asyncio.create_task(
-                fire(lambda: setattr(scope, "deadline", anyio.current_time()))()))
-            await big_pull()
-        caught = scope.cancelled_caught
-    elif kind == "fail_after":
-        try:
-            with anyio.fail_after(60) as scope:
-                watchers.append(asyncio.create_task(
-                    fire(lambda: setattr(scope, "deadline", anyio.current_time()))()))
-                await big_pull()
-        except TimeoutError:
-            caught = True
-        assert caught == scope.cancelled_caught
-    elif kind == "task_group":
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(big_pull)
-            await fire(tg.cancel_scope.cancel)()
-        caught = tg.cancel_scope.cancelled_caught
-    else:  # pragma: no cover
-        raise AssertionError(kind)
-    done = loop.time()  # code after the scope runs: nothing escaped it
-    for w in watchers:
-        await w
-    if not fired or not caught:
-        # The pull ended unseen, or its job ended in the iteration the cancel was asked
-        # for and it returned first: whole, nothing to cancel (a cancel it ignored fails
-        # every attempt).
-        assert not caught, f"{kind}: a scope caught a cancel that never fired"
-        assert landed[0], f"{kind}: the pull neither landed nor raised into its scope"
-        await r.verify_link()
-        return False
-    # The cancel landed while the pull moved bytes: the scope caught it, soon.
-    assert done - fired[0] < END_BOUND_S, f"{kind}: {done - fired[0]:.2f} s"
-    r.quiet()
-    # The task is not left cancelling: a later await is not cancelled.
-    current = asyncio.current_task()
-    assert current is not None and current.cancelling() == 0
+    Returns False, with the link verified, when the pull ended before the cancel could
+    land (the loop thread descheduled for the whole copy): nothing was cancelled then."""
+    seen = await cancel_in_flight(r.executor, kind, r.big_pull)
+    if seen.caught:
+        # The cancel landed while the pull moved bytes: the scope caught it, soon.
+        assert seen.fired is not None
+        assert seen.done - seen.fired < END_BOUND_S, f"{kind}: {seen.done - seen.fired:.2f} s"
+        r.quiet()
     await r.verify_link()
-    return True
+    return seen.caught
 
 
 async def _all_kinds(path: str, kinds: list[str]) -> None:
     async with rig(path) as r:
         for kind in kinds:
-            for _ in range(ATTEMPTS):
+            for _ in range(CANCEL_ATTEMPTS):
                 if await _cancelled_by(r, kind):
                     break
             else:
-                pytest.fail(f"{kind}: the big pull ended before its cancel, {ATTEMPTS} times")
+                pytest.fail(
+                    f"{kind}: the big pull ended before its cancel, {CANCEL_ATTEMPTS} times"
+                )
 
 
 @pytest.mark.asyncio
@@ -208,8 +143,9 @@ async def test_every_cancel_scope_absorbs_its_cancel(path: str) -> None:
 @pytest.mark.parametrize("use_uvloop", [False, True], ids=["anyio-asyncio", "anyio-uvloop"])
 @pytest.mark.slow  # big pulls, every scope on every path
 def test_under_anyio_run(path: str, use_uvloop: bool) -> None:
-    anyio.run(_all_kinds, path, KINDS, backend="asyncio",
-              backend_options={"use_uvloop": use_uvloop})
+    anyio.run(
+        _all_kinds, path, KINDS, backend="asyncio", backend_options={"use_uvloop": use_uvloop}
+    )
 
 
 @pytest.mark.asyncio

@@ -25,6 +25,7 @@ from aiodatadist import BlocksCacheKey, DataPath, LLMException
 from aiodatadist import LLMStatusCode as S
 from aiodatadist.testing import engine_unavailable
 from aiodatadist.transports.engine import EngineLane
+from tests._procs import dead_now
 from tests.xproc import xproc_common as xc
 from tests.xproc.xproc_harness import Harness, PeerProc, decoder_options, link, until
 
@@ -183,21 +184,6 @@ async def test_lane_is_not_used_after_the_peer_reregistered() -> None:
         np.testing.assert_array_equal(
             reg.matrix(), xc.expect_blocks(before, new_ref, UNIT, [6, 0], [3, 4], (0, 0, 2))
         )
-
-
-def dead_now(pid: int, timeout: float = 5.0) -> None:
-    """Waits, without yielding to the loop (so the link cannot notice), until ``pid`` is a
-    zombie or gone."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rpartition(")")[2].split()[0] in ("Z", "X"):
-                    return
-        except FileNotFoundError:
-            return
-        time.sleep(0.001)
-    raise AssertionError(f"pid {pid} still runs")
 
 
 @pytest.mark.asyncio

@@ -11,30 +11,26 @@ of this test's own).
 
 from __future__ import annotations
 
-import asyncio
 import itertools
+from collections.abc import Awaitable
 from typing import Any
 
 import anyio
 import pytest
 
 from aiodatadist.testing import PromptSpec, RemotePair, remote_pair
-from tests.engine._util import fire_when_in_flight
+from tests.engine._util import CANCEL_ATTEMPTS, SCOPE_KINDS, cancel_in_flight
 
 pytestmark = pytest.mark.slow  # peer processes on every data path: the full run's
 
 PATHS = ["shm", "cma", "tcp"]
-KINDS = ["asyncio.timeout", "task.cancel", "move_on_after", "fail_after", "task_group"]
 END_BOUND_S = 2.0  # generous: the cancel was honoured, not a speed claim
 _seeds = itertools.count(0x5C0_0001)
 
 
-ATTEMPTS = 5  # a pull that ends before its cancel could land is tried again
-
-
 async def _cancelled_by(pair: RemotePair, dst: Any, kind: str) -> bool:
     """One big pull cancelled by ``kind`` while in flight; False (the link verified) when
-    it ended before the watcher saw it in flight, so nothing was cancelled."""
+    it ended before the cancel could land, so nothing was cancelled."""
     dec = pair.decoder
     nb = pair.spec.num_blocks
     executor = dec._rt.executor
@@ -42,77 +38,21 @@ async def _cancelled_by(pair: RemotePair, dst: Any, kind: str) -> bool:
     link = dec._rt.links.find(pair.prompt_id)
     assert link is not None
     everything = list(range(nb))
-    loop = asyncio.get_running_loop()
-    fired: list[float] = []
-    ended = [False]
 
-    landed = [False]  # the pull returned: its bytes all landed
+    def big_pull() -> Awaitable[None]:
+        return dec.cache_manager.pull_blocks(
+            pair.key(), dst.cache, everything, everything, timeout=60
+        )
 
-    async def big_pull() -> None:
-        try:
-            await dec.cache_manager.pull_blocks(pair.key(), dst.cache, everything, everything,
-                                                timeout=60)
-            landed[0] = True
-        finally:
-            ended[0] = True
-
-    async def verify() -> None:
-        s, d = [1, nb - 1, nb // 2], [nb - 2, 0, 3]
-        await dec.cache_manager.pull_blocks(pair.key(), dst.cache, s, d, timeout=30)
-        assert pair.mismatches(dst, s, d) == []
-
-    async def when_in_flight(action: Any) -> None:
-        at = await fire_when_in_flight(executor, lambda: ended[0], action)
-        if at is not None:
-            fired.append(at)
-
-    tasks: list[asyncio.Task[None]] = []
-    caught = False
-    if kind == "asyncio.timeout":
-        try:
-            async with asyncio.timeout(None) as cm:
-                tasks.append(asyncio.create_task(
-                    when_in_flight(lambda cm=cm: cm.reschedule(loop.time()))))
-                await big_pull()
-        except TimeoutError:
-            caught = True
-    elif kind == "task.cancel":
-        task = asyncio.create_task(big_pull())
-        tasks.append(asyncio.create_task(when_in_flight(task.cancel)))
-        try:
-            await task
-        except asyncio.CancelledError:
-            caught = True
-    elif kind in ("move_on_after", "fail_after"):
-        ctx = anyio.move_on_after(60) if kind == "move_on_after" else anyio.fail_after(60)
-        try:
-            with ctx as scope:
-                tasks.append(asyncio.create_task(when_in_flight(
-                    lambda scope=scope: setattr(scope, "deadline", anyio.current_time()))))
-                await big_pull()
-        except TimeoutError:
-            assert kind == "fail_after"
-        caught = scope.cancelled_caught
-    else:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(big_pull)
-            await when_in_flight(tg.cancel_scope.cancel)
-        caught = tg.cancel_scope.cancelled_caught
-    done = loop.time()
-    for t in tasks:
-        await t
-    # Not caught: the pull ended unseen, or its job ended in the iteration the cancel was
-    # asked for and it returned first; whole either way (a cancel it ignored fails every
-    # attempt).
-    assert caught or landed[0], (kind, caught, fired)
-    assert fired or not caught, (kind, caught, fired)
-    if caught:
-        assert done - fired[0] < END_BOUND_S, (kind, done - fired[0])
+    seen = await cancel_in_flight(executor, kind, big_pull)
+    if seen.caught:
+        assert seen.fired is not None
+        assert seen.done - seen.fired < END_BOUND_S, (kind, seen.done - seen.fired)
         assert executor.in_flight == 0 and not link.slot.busy, kind
-        current = asyncio.current_task()
-        assert current is not None and current.cancelling() == 0
-    await verify()
-    return caught
+    s, d = [1, nb - 1, nb // 2], [nb - 2, 0, 3]
+    await dec.cache_manager.pull_blocks(pair.key(), dst.cache, s, d, timeout=30)
+    assert pair.mismatches(dst, s, d) == []
+    return seen.caught
 
 
 async def _cancel_every_way(pair: RemotePair) -> None:
@@ -121,34 +61,42 @@ async def _cancel_every_way(pair: RemotePair) -> None:
     s, d = [1, nb - 1, nb // 2], [nb - 2, 0, 3]
     await pair.decoder.cache_manager.pull_blocks(pair.key(), dst.cache, s, d, timeout=30)
     assert pair.mismatches(dst, s, d) == []  # warm: the link works before any cancel
-    for kind in KINDS:
-        for _ in range(ATTEMPTS):
+    for kind in SCOPE_KINDS:
+        for _ in range(CANCEL_ATTEMPTS):
             if await _cancelled_by(pair, dst, kind):
                 break
         else:
-            pytest.fail(f"{kind}: the big pull ended before its cancel, {ATTEMPTS} times")
+            pytest.fail(f"{kind}: the big pull ended before its cancel, {CANCEL_ATTEMPTS} times")
 
 
 def _spec(path: str) -> PromptSpec:
     # 2 x 64 x 4 MiB on one mover thread: a whole-cache pull (512 MiB, tens of ms even with
     # prefaulted memory and streaming stores) is still in flight when the cancel lands.
-    return PromptSpec(num_tensors=2, num_blocks=64, block_shape=(4 << 20,), dtype="uint8",
-                      seed=next(_seeds), allocate=(path == "shm"))
+    return PromptSpec(
+        num_tensors=2,
+        num_blocks=64,
+        block_shape=(4 << 20,),
+        dtype="uint8",
+        seed=next(_seeds),
+        allocate=(path == "shm"),
+    )
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("path", PATHS)
 async def test_cancel_scopes_across_processes(path: str) -> None:
-    async with remote_pair(_spec(path), data_path=path,
-                           options={"aiodatadist.MoverThreads": "1"}) as pair:
+    async with remote_pair(
+        _spec(path), data_path=path, options={"aiodatadist.MoverThreads": "1"}
+    ) as pair:
         await _cancel_every_way(pair)
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_cancel_scopes_across_processes_under_anyio_uvloop(path: str) -> None:
     async def main() -> None:
-        async with remote_pair(_spec(path), data_path=path,
-                               options={"aiodatadist.MoverThreads": "1"}) as pair:
+        async with remote_pair(
+            _spec(path), data_path=path, options={"aiodatadist.MoverThreads": "1"}
+        ) as pair:
             await _cancel_every_way(pair)
 
     anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})

@@ -1,0 +1,49 @@
+"""Reading processes' states from ``/proc`` (Linux), for tests that must not yield.
+
+``/proc/PID/stat`` is ``pid (comm) state ppid pgrp session ...``, and ``comm`` may hold
+spaces and parentheses: the fields after it are found from the last ``)``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+__all__ = ["dead_now", "proc_fields", "session_alive"]
+
+
+def proc_fields(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after ``comm`` (``[state, ppid, pgrp, session,
+    ...]``), or None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # (gone, or going)
+        return None
+    return stat[stat.rindex(b")") + 2 :].decode("ascii", "replace").split()
+
+
+def dead_now(pid: int, timeout: float = 5.0) -> None:
+    """Waits, without yielding to any loop (so a link cannot notice), until ``pid`` is a
+    zombie or gone; AssertionError after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        fields = proc_fields(pid)
+        if fields is None or fields[0] in ("Z", "X"):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"pid {pid} still runs")
+
+
+def session_alive(sid: int) -> bool:
+    """Whether a process of session ``sid`` still runs. A zombie does not count: a child
+    nobody waited for is reparented to PID 1 when its parent exits, and waits there
+    (seconds, in some containers) to be reaped; it runs nothing any more."""
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            fields = proc_fields(entry.name)
+            if fields is not None and int(fields[3]) == sid and fields[0] != "Z":
+                return True
+    return False
