@@ -93,6 +93,9 @@ class Peer:
         self.on_close: Callable[[Peer], Awaitable[None]] | None = None
         self._table_dirty = False
         self._loop = asyncio.get_running_loop()
+        # Since when the read loop has been waiting for the peer's next message (None while
+        # it handles one): what the heartbeat measures silence by.
+        self._waiting_since: float | None = None
         # The version of our table the peer was last sent (in the handshake or a TABLE).
         self.table_version_sent = agreed.table_version
         self.streams = TcpStreams(self, rt.options.tcp_streams)
@@ -115,6 +118,9 @@ class Peer:
             self._send_table_soon()
         self._spawn(self._read_loop(), "aiodatadist-peer-read")
         self._spawn(self.serving.run(), "aiodatadist-peer-serve")
+        timeout_ms = self.rt.options.heartbeat_timeout_ms
+        if timeout_ms > 0:
+            self._spawn(self._heartbeat(timeout_ms / 1000), "aiodatadist-peer-heartbeat")
 
     def _spawn(self, coro: Any, name: str | None = None) -> None:
         # A fresh context: the link's tasks belong to no public call (a context copied
@@ -194,7 +200,9 @@ class Peer:
         reason = "connection closed by the peer"
         try:
             while True:
+                self._waiting_since = self._loop.time()
                 msg = await _wire.read_message(self.reader, timeout=None)
+                self._waiting_since = None
                 t = msg.type
                 if t in (_wire.MsgType.DONE, _wire.MsgType.LEASED):
                     fut = self._pending.pop(int(msg.body["req"]), None)
@@ -230,6 +238,35 @@ class Peer:
             raise
         finally:
             await self.close(reason)
+
+    async def _heartbeat(self, timeout: float) -> None:
+        """Loses the link when the peer has said nothing for ``timeout`` seconds
+        (``aiodatadist.HeartbeatTimeout``); pings it after a third of that silence, so an
+        idle link to a live peer always hears something (its PONG).
+
+        Silence counts only while the read loop waits for a message: one that is busy (a
+        flooding peer's requests wait for room) is not the peer's silence. The peer's own
+        heartbeat and its requests count as words too. Found within ``timeout`` and a third.
+        """
+        interval = timeout / 3
+        while not self.closed.is_set():
+            await asyncio.sleep(interval)
+            since = self._waiting_since
+            if since is None:
+                continue
+            quiet = self._loop.time() - since
+            if quiet >= timeout:
+                await self.close(
+                    f"no word from the peer in {quiet:.1f} s (aiodatadist.HeartbeatTimeout "
+                    f"{timeout * 1000:.0f} ms): it is frozen, overloaded or unreachable"
+                )
+                return
+            if quiet >= interval:
+                # (A send that cannot finish, the peer not reading, is given up: the
+                # silence goes on counting.)
+                with contextlib.suppress(TimeoutError, LLMException):
+                    async with asyncio.timeout(interval):
+                        await self.send(_wire.MsgType.PING, {"t": next(_req_ids)})
 
     def _apply_table(self, body: dict[str, Any]) -> None:
         self.info.engines = body.get("engines", self.info.engines)  # (before the table)

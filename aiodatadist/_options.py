@@ -82,6 +82,7 @@ OPT_MOVER_THREADS = "aiodatadist.MoverThreads"
 OPT_FINALIZE_TIMEOUT = "aiodatadist.FinalizeTimeout"
 OPT_SERVE_THREADS = "aiodatadist.ServeThreads"
 OPT_SERVE_TIMEOUT = "aiodatadist.ServeTimeout"
+OPT_HEARTBEAT_TIMEOUT = "aiodatadist.HeartbeatTimeout"
 OPT_ENGINES = "aiodatadist.Engines"
 
 CHECKED_PREFIXES = ("llm.", "aiodatadist.")
@@ -145,6 +146,9 @@ DEFAULT_MOVER_THREADS = 2
 DEFAULT_FINALIZE_TIMEOUT_MS = 5000
 DEFAULT_SERVE_THREADS = 4
 DEFAULT_SERVE_TIMEOUT_MS = 30000
+DEFAULT_HEARTBEAT_TIMEOUT_MS = 30000
+HEARTBEAT_MIN_MS = 100
+"""The smallest heartbeat timeout but 0 (off): a link pings its peer every third of it."""
 DEFAULT_MEM_UTILIZATION = 0.95
 TRANSFER_BACKENDS = ("hixl",)
 ROLE_OPTION_VALUES = ("Prompt", "Decoder", "Mix")
@@ -249,6 +253,7 @@ class Options:
         finalize_timeout_ms: ``aiodatadist.FinalizeTimeout``.
         serve_threads: ``aiodatadist.ServeThreads``.
         serve_timeout_ms: ``aiodatadist.ServeTimeout``.
+        heartbeat_timeout_ms: ``aiodatadist.HeartbeatTimeout`` (0: off).
         engines: the transfer engines to start at ``init``: ``aiodatadist.Engines``, plus
             the engine ``aiodatadist.DataPath`` forces (in :meth:`DataPath.engines` order).
         link_total_time_s: ``llm.LinkTotalTime`` (0: not set).
@@ -270,6 +275,7 @@ class Options:
     finalize_timeout_ms: int = DEFAULT_FINALIZE_TIMEOUT_MS
     serve_threads: int = DEFAULT_SERVE_THREADS
     serve_timeout_ms: int = DEFAULT_SERVE_TIMEOUT_MS
+    heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT_MS
     engines: tuple[DataPath, ...] = ()
     link_total_time_s: int = 0
     link_retry_count: int = 1
@@ -282,6 +288,15 @@ def _opt_int(key: str, text: str, min_value: int, max_value: int) -> int:
             f"option {key} must be a decimal integer in [{min_value}, {max_value}], got {text!r}"
         )
     return int(text)
+
+
+def opt_heartbeat_ms(key: str, value: int) -> int:
+    """``value`` as a heartbeat timeout: 0 (off) or at least :data:`HEARTBEAT_MIN_MS`."""
+    if value != 0 and not HEARTBEAT_MIN_MS <= value <= INT32_MAX:
+        raise_param_error(
+            f"{key} must be 0 (off) or in [{HEARTBEAT_MIN_MS}, {INT32_MAX}] ms, got {value}"
+        )
+    return value
 
 
 def _opt_flag(key: str, text: str) -> bool:
@@ -454,6 +469,10 @@ def parse_options(
         ),
         serve_threads=get_int(OPT_SERVE_THREADS, DEFAULT_SERVE_THREADS, 1, THREADS_MAX),
         serve_timeout_ms=get_int(OPT_SERVE_TIMEOUT, DEFAULT_SERVE_TIMEOUT_MS, 1, INT32_MAX),
+        heartbeat_timeout_ms=opt_heartbeat_ms(
+            f"option {OPT_HEARTBEAT_TIMEOUT}",
+            get_int(OPT_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT_MS, 0, INT32_MAX),
+        ),
         link_total_time_s=get_int(OPT_LINK_TOTAL_TIME, 0, 0, UINT32_MAX),
         link_retry_count=get_int(OPT_LINK_RETRY_COUNT, 1, 1, LINK_RETRY_MAX),
         raw=opts,

@@ -18,7 +18,9 @@ options use the ``aiodatadist.`` prefix:
 * ``serve_threads`` -> ``aiodatadist.ServeThreads``: 1..64, default 4: threads
   that serve peers' tcp requests (each peer has at most one running);
 * ``serve_timeout`` -> ``aiodatadist.ServeTimeout``: ms, 1..2**31-1, default
-  30000: the longest a peer's request may take here, whatever deadline it asks for.
+  30000: the longest a peer's request may take here, whatever deadline it asks for;
+* ``heartbeat_timeout`` -> ``aiodatadist.HeartbeatTimeout``: ms, 0 (off) or
+  100..2**31-1, default 30000: a link whose peer says nothing for this long is lost.
 
 :func:`parse_options` is what the engine calls in ``init``: it checks the
 value of every key it knows and returns a frozen :class:`Options`.  It, the
@@ -49,6 +51,7 @@ from ._options import (
     DEFAULT_DATA_PATH,
     DEFAULT_EXECUTOR_THREADS,
     DEFAULT_FINALIZE_TIMEOUT_MS,
+    DEFAULT_HEARTBEAT_TIMEOUT_MS,
     DEFAULT_MEM_UTILIZATION,
     DEFAULT_MOVER_THREADS,
     DEFAULT_SERVE_THREADS,
@@ -70,6 +73,7 @@ from ._options import (
     OPT_FINALIZE_TIMEOUT,
     OPT_FLOW_GRAPH_MEM_MAX_SIZE,
     OPT_GLOBAL_RESOURCE_CONFIG,
+    OPT_HEARTBEAT_TIMEOUT,
     OPT_HOST_MEM_POOL_CONFIG,
     OPT_LINK_RETRY_COUNT,
     OPT_LINK_TOTAL_TIME,
@@ -101,11 +105,16 @@ from ._options import (
     DataPath,
     Options,
     check_rdma_traffic_class,
+    opt_heartbeat_ms,
     parse_engines,
     parse_listen_ip_info,
     parse_options,
 )
-from ._validate import INT32_MAX, UINT32_MAX, check_bool, check_str, check_type
+from ._validate import INT32_MAX, UINT32_MAX, check_bool, check_int, check_str, check_type
+
+
+def _check_heartbeat(name: str, value: Any) -> int:
+    return opt_heartbeat_ms(name, check_int(name, value, min_value=0, max_value=INT32_MAX))
 
 
 def _check_engines(name: str, value: Any) -> str | None:
@@ -122,6 +131,7 @@ __all__ = [
     "DEFAULT_DATA_PATH",
     "DEFAULT_EXECUTOR_THREADS",
     "DEFAULT_FINALIZE_TIMEOUT_MS",
+    "DEFAULT_HEARTBEAT_TIMEOUT_MS",
     "DEFAULT_MEM_UTILIZATION",
     "DEFAULT_MOVER_THREADS",
     "DEFAULT_SERVE_THREADS",
@@ -145,6 +155,7 @@ __all__ = [
     "OPT_FINALIZE_TIMEOUT",
     "OPT_FLOW_GRAPH_MEM_MAX_SIZE",
     "OPT_GLOBAL_RESOURCE_CONFIG",
+    "OPT_HEARTBEAT_TIMEOUT",
     "OPT_HOST_MEM_POOL_CONFIG",
     "OPT_LINK_RETRY_COUNT",
     "OPT_LINK_TOTAL_TIME",
@@ -509,6 +520,20 @@ class LLMConfig:
         A request's deadline is the smaller of the one the peer asks for and this,
         counted from its arrival: a peer that stops reading holds a serving thread
         for at most this long.  Emits ``aiodatadist.ServeTimeout``.
+        """,
+    )
+    heartbeat_timeout: Option[int] = Option(
+        OPT_HEARTBEAT_TIMEOUT,
+        _check_heartbeat,
+        default=DEFAULT_HEARTBEAT_TIMEOUT_MS,
+        doc="""How long a link may hear nothing from its peer, in ms: 0 (off) or
+        ``[100, 2**31-1]``; default 30000.
+
+        A link that heard nothing on its control connection for a third of it pings the
+        peer (any message back will do); one that heard nothing for all of it is lost
+        (``LLM_LINK_FAILED`` for what waits on it, an INFO log line with the reason):
+        a peer host that died or was cut off, or a peer process that is frozen, is found
+        without a transfer having to time out first.  Emits ``aiodatadist.HeartbeatTimeout``.
         """,
     )
 

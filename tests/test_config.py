@@ -36,6 +36,7 @@ def test_own_option_defaults() -> None:
     assert config.finalize_timeout == 5000
     assert config.serve_threads == 4
     assert config.serve_timeout == 30000
+    assert config.heartbeat_timeout == 30000
 
 
 @pytest.mark.parametrize(
@@ -49,6 +50,8 @@ def test_own_option_defaults() -> None:
         ("finalize_timeout", 0, "aiodatadist.FinalizeTimeout"),
         ("serve_threads", 64, "aiodatadist.ServeThreads"),
         ("serve_timeout", 1, "aiodatadist.ServeTimeout"),
+        ("heartbeat_timeout", 0, "aiodatadist.HeartbeatTimeout"),
+        ("heartbeat_timeout", 100, "aiodatadist.HeartbeatTimeout"),
     ],
 )
 def test_own_options_emitted_when_set(attr: str, value: object, key: str) -> None:
@@ -241,6 +244,14 @@ def test_listen_ip_info_ipv6_and_port_zero() -> None:
         ("serve_threads", 0, LLMParamError, r"serve_threads must be in \[1, 64\], got 0"),
         ("serve_timeout", 0, LLMParamError, r"serve_timeout must be in \[1, 2147483647\], got 0"),
         ("serve_timeout", 1.5, TypeError, "serve_timeout"),
+        (
+            "heartbeat_timeout",
+            99,
+            LLMParamError,
+            r"heartbeat_timeout must be 0 \(off\) or in \[100, 2147483647\] ms, got 99",
+        ),
+        ("heartbeat_timeout", -1, LLMParamError, "heartbeat_timeout"),
+        ("heartbeat_timeout", 1.5, TypeError, "heartbeat_timeout"),
     ],
 )
 def test_config_validation(attr: str, value: object, exc: type[Exception], match: str) -> None:
@@ -307,6 +318,7 @@ def test_parse_options_defaults() -> None:
     assert (opts.executor_threads, opts.tcp_streams, opts.mover_threads) == (2, 2, 2)
     assert opts.finalize_timeout_ms == 5000
     assert (opts.serve_threads, opts.serve_timeout_ms) == (4, 30000)
+    assert opts.heartbeat_timeout_ms == 30000
     assert opts.shared_secret is None
     assert opts.link_total_time_s == 0
     assert opts.link_retry_count == 1
@@ -330,6 +342,7 @@ def test_parse_options_round_trip_from_config() -> None:
     config.finalize_timeout = 100
     config.serve_threads = 3
     config.serve_timeout = 2500
+    config.heartbeat_timeout = 0
     config.ge_options = {"unknown.key": "whatever"}
     raw = config.generate_options()
     opts = parse_options(raw, environ={SECRET_ENV: "from-env"})
@@ -341,6 +354,7 @@ def test_parse_options_round_trip_from_config() -> None:
     assert (opts.executor_threads, opts.tcp_streams, opts.mover_threads) == (4, 4, 8)
     assert opts.finalize_timeout_ms == 100
     assert (opts.serve_threads, opts.serve_timeout_ms) == (3, 2500)
+    assert opts.heartbeat_timeout_ms == 0
     assert opts.link_total_time_s == 30 and opts.link_retry_count == 5
     assert opts.shared_secret == b"abc"
     assert opts.raw == raw
@@ -499,6 +513,9 @@ def test_all_data_paths_accepted() -> None:
         ("aiodatadist.ServeThreads", "65", r"option aiodatadist.ServeThreads .*\[1, 64\]"),
         ("aiodatadist.ServeTimeout", "0", r"option aiodatadist.ServeTimeout .*got '0'"),
         ("aiodatadist.ServeTimeout", "2147483648", "option aiodatadist.ServeTimeout"),
+        ("aiodatadist.HeartbeatTimeout", "99", r"HeartbeatTimeout must be 0 \(off\) or in \[100,"),
+        ("aiodatadist.HeartbeatTimeout", "-1", "option aiodatadist.HeartbeatTimeout"),
+        ("aiodatadist.HeartbeatTimeout", "2147483648", "option aiodatadist.HeartbeatTimeout"),
     ],
 )
 def test_parse_options_rejects(key: str, value: str, match: str) -> None:

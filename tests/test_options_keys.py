@@ -74,6 +74,7 @@ ALL_ATTRIBUTES = {
     "finalize_timeout": 100,
     "serve_threads": 2,
     "serve_timeout": 1000,
+    "heartbeat_timeout": 5000,
 }
 
 
@@ -132,6 +133,7 @@ def test_llmconfig_with_every_attribute_set_parses() -> None:
     assert len(raw) >= len(ALL_ATTRIBUTES)
     opts = parse_options(raw, environ={})
     assert opts.sync_kv_timeout_ms == 2500 and opts.serve_timeout_ms == 1000
+    assert opts.heartbeat_timeout_ms == 5000
     assert opts.data_path == "tcp" and opts.shared_secret == b"s3cret"
     assert opts.engines == ("nixl", "mooncake")
     assert opts.raw["ge.graphRunMode"] == "1"
