@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import itertools
 import logging
 import os
 import resource
@@ -25,6 +24,7 @@ from . import _engine_lease, _handshake, _wire
 from ._caches import CacheTable
 from ._fdchannel import FdChannel, FdListener
 from ._handshake import Agreed, client_handshake, has_spoken, offered_paths, server_handshake
+from ._peer_requests import PeerRequests
 from .config import DataPath
 from .errors import API_CONTEXT, API_CONTEXT_NONE, LLMException, LLMStatusCode, failure
 from .links import Link, Unreachable
@@ -44,15 +44,12 @@ log = logging.getLogger("aiodatadist.control")
 HANDSHAKE_TIMEOUT = 10.0
 UNLINK_SEND_TIMEOUT = 1.0
 """How long an unlink waits for the peer to take its UNLINK before closing anyway."""
-CANCEL_TIMEOUT = 2.0
-"""How long a requester tries to send a CANCEL (in the background) before closing the link."""
 MAX_HANDSHAKES = max(64, min(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 16))
 """Silent accepted connections held at once (a 16th of the fd limit, so that a burst does not
 crowd out an honest client); past it the oldest silent one is closed."""
-_req_ids = itertools.count(1)
 
 
-class Peer:
+class Peer(PeerRequests):
     """One control connection to a linked peer, on either side of the link (the client's
     has the server's ``endpoint``), made of what its handshake ``agreed``.
 
@@ -93,9 +90,7 @@ class Peer:
         self.on_close: Callable[[Peer], Awaitable[None]] | None = None
         self._table_dirty = False
         self._loop = asyncio.get_running_loop()
-        # Since when the read loop has been waiting for the peer's next message (None while
-        # it handles one): what the heartbeat measures silence by.
-        self._waiting_since: float | None = None
+        self._waiting_since: float | None = None  # (see PeerRequests)
         # The version of our table the peer was last sent (in the handshake or a TABLE).
         self.table_version_sent = agreed.table_version
         self.streams = TcpStreams(self, rt.options.tcp_streams)
@@ -182,20 +177,6 @@ class Peer:
         with contextlib.suppress(LLMException):
             await self.send(_wire.MsgType.TABLE, _handshake.table_body(self.rt))
 
-    async def refresh(self, deadline: float | None) -> None:
-        """A PING round trip: every TABLE the peer sent before our PING is applied after it."""
-        t = next(_req_ids)
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pongs[t] = fut
-        try:
-            async with asyncio.timeout_at(deadline):
-                await self.send(_wire.MsgType.PING, {"t": t})
-                await fut
-        except TimeoutError:
-            pass
-        finally:
-            self._pongs.pop(t, None)
-
     async def _read_loop(self) -> None:
         reason = "connection closed by the peer"
         try:
@@ -239,79 +220,10 @@ class Peer:
         finally:
             await self.close(reason)
 
-    async def _heartbeat(self, timeout: float) -> None:
-        """Loses the link when the peer has said nothing for ``timeout`` seconds
-        (``aiodatadist.HeartbeatTimeout``); pings it after a third of that silence, so an
-        idle link to a live peer always hears something (its PONG).
-
-        Silence counts only while the read loop waits for a message: one that is busy (a
-        flooding peer's requests wait for room) is not the peer's silence. The peer's own
-        heartbeat and its requests count as words too. Found within ``timeout`` and a third.
-        """
-        interval = timeout / 3
-        while not self.closed.is_set():
-            await asyncio.sleep(interval)
-            since = self._waiting_since
-            if since is None:
-                continue
-            quiet = self._loop.time() - since
-            if quiet >= timeout:
-                await self.close(
-                    f"no word from the peer in {quiet:.1f} s (aiodatadist.HeartbeatTimeout "
-                    f"{timeout * 1000:.0f} ms): it is frozen, overloaded or unreachable"
-                )
-                return
-            if quiet >= interval:
-                # (A send that cannot finish, the peer not reading, is given up: the
-                # silence goes on counting.)
-                with contextlib.suppress(TimeoutError, LLMException):
-                    async with asyncio.timeout(interval):
-                        await self.send(_wire.MsgType.PING, {"t": next(_req_ids)})
-
     def _apply_table(self, body: dict[str, Any]) -> None:
         self.info.engines = body.get("engines", self.info.engines)  # (before the table)
         items = [_wire.check_cache_description(d) for d in body["table"]]
         self.table.replace_with(CacheTable.from_description(items))
-
-    def cancel_soon(self, req: int, epoch: int) -> None:
-        """Sends CANCEL {req, epoch} in the background (never blocking the caller, which may
-        be unwinding a cancellation); a peer that does not take it in CANCEL_TIMEOUT is
-        dropped."""
-        if self.closed.is_set():
-            return
-
-        async def send_cancel() -> None:
-            try:
-                async with asyncio.timeout(CANCEL_TIMEOUT):
-                    await self.send(_wire.MsgType.CANCEL, {"req": req, "epoch": epoch})
-            except TimeoutError:
-                await self.close("the peer did not take a CANCEL")
-            except LLMException:
-                pass  # the link is closed: nothing left to cancel
-
-        self._spawn(send_cancel())
-
-    async def request(
-        self, msg_type: _wire.MsgType, body: dict[str, Any], binary: bytes
-    ) -> tuple[int, asyncio.Future[dict[str, Any]]]:
-        """Sends a request under a new id; the future gets the peer's DONE body (or the
-        link's closing failure)."""
-        req = next(_req_ids)
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._pending[req] = fut
-        try:
-            await self.send(msg_type, {"req": req, **body}, binary)
-        except BaseException:
-            self._pending.pop(req, None)
-            if fut.done() and not fut.cancelled():
-                fut.exception()  # a failed send closed the link and failed it: retrieved
-            fut.cancel()
-            raise
-        return req, fut
-
-    def forget_request(self, req: int) -> None:
-        """Stops tracking ``req``: its DONE, if one still comes, is dropped."""
-        self._pending.pop(req, None)
 
     async def close(self, reason: str = "closed") -> None:
         if self.closed.is_set():
