@@ -2,8 +2,9 @@
 
 A hand-driven connection speaks the wire to an instance in this process: a granted lease
 holds the cache (unregister refuses with LLM_LINK_BUSY until UNLEASE or the link's end),
-a req granted twice or a flood of leases is refused without holding anything, and a stale
-generation says ``stale``.
+a req granted twice or a flood of leases is refused without holding anything, a stale
+generation says ``stale``, and a holder that falls silent loses its leases with its link
+(the owner's heartbeat).
 """
 
 from __future__ import annotations
@@ -160,5 +161,31 @@ async def test_the_lease_pause_ends() -> None:
             await raw.write(_wire.MsgType.UNLEASE, {"req": 1})
             await asyncio.sleep(LEASE_PAUSE_S + 0.1)  # the owner did not retry its free
             assert (await _lease(raw, 2, cid, gen))["status"] == 0  # leases again
+    finally:
+        await dd.finalize()
+
+
+async def test_a_silent_lease_holder_loses_its_leases_with_its_link() -> None:
+    # The requester took a lease and went silent (frozen, its host gone): the owner's
+    # heartbeat loses the link, which releases its leases, so the cache can be freed.
+    dd = LLMDataDist(LLMRole.PROMPT, 900)
+    await dd.init({"llm.listenIpInfo": "127.0.0.1:0", "aiodatadist.HeartbeatTimeout": "400"})
+    try:
+        cache = make_blocks_cache(dd, model_id=1, num_blocks=4, seed=10)
+        host, port = dd.listen_address
+        cid = cache.cache.cache_id
+        async with RawClient(host, port) as raw:
+            welcome = await raw.handshake(RAW_ID)
+            ok = await _lease(raw, 3, cid, _gen(welcome, cid))
+            assert ok["status"] == 0
+            assert await _unregister_refused(dd, cid)
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            while dd.cache_manager._caches.entries[cid].busy:  # nothing read, nothing said
+                assert loop.time() - start < 5.0, "the silent holder kept its lease"
+                await asyncio.sleep(0.01)
+            assert loop.time() - start >= 0.2  # not before a whole timeout (half: the edge)
+            assert RAW_ID not in {link.remote_cluster_id for link in dd.links}
+            dd.cache_manager.unregister_cache(cid)
     finally:
         await dd.finalize()
