@@ -66,15 +66,30 @@ def _emit(**event: Any) -> None:
 
 
 def _read_stdin(loop: asyncio.AbstractEventLoop, lines: asyncio.Queue[bytes | None]) -> None:
-    """Queues stdin's lines (from a daemon thread: any kind of stdin), then None at EOF."""
+    """Queues stdin's lines (from a daemon thread: any kind of stdin), then None at EOF.
+
+    The thread reads the file descriptor itself (``os.read``), never ``sys.stdin``: a
+    daemon thread blocked inside the buffered reader holds its lock, and the interpreter's
+    shutdown then aborts the process trying to take it ("could not acquire lock for
+    <stdin> at interpreter shutdown"), once in a while, when it exits mid-read.
+    """
+
+    def put(line: bytes | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is already closed
+            loop.call_soon_threadsafe(lines.put_nowait, line)
 
     def run() -> None:
+        pending = b""
         with contextlib.suppress(OSError, ValueError):
-            for line in sys.stdin.buffer:
-                with contextlib.suppress(RuntimeError):  # the loop is already closed
-                    loop.call_soon_threadsafe(lines.put_nowait, line)
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(lines.put_nowait, None)
+            fd = sys.stdin.fileno()
+            while chunk := os.read(fd, 65536):
+                pending += chunk
+                *whole, pending = pending.split(b"\n")
+                for line in whole:
+                    put(line + b"\n")
+        if pending:
+            put(pending)
+        put(None)
 
     threading.Thread(target=run, name="aiodatadist-peer-stdin", daemon=True).start()
 
