@@ -253,11 +253,18 @@ class Side:
         return local, model
 
     async def wait_idle(self, timeout: float = BOUND_S) -> None:
-        """Until no job of the decoder runs and the link's slot is free (bounded)."""
+        """Until no job of the decoder runs, the link's slot is free and no local cache is
+        fenced (an aborted NIXL request still on the wire: its destination refuses
+        transfers until the request ended) (bounded)."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         executor = self.dd._rt.executor
         assert executor is not None
-        while executor.in_flight or self.link().slot.busy:
-            assert loop.time() < end, "the decoder's job or the link's slot is still busy"
+        entries = self.dd.cache_manager._caches.entries
+        while (
+            executor.in_flight
+            or self.link().slot.busy
+            or any(e.late_writes for e in list(entries.values()))
+        ):
+            assert loop.time() < end, "a job, the link's slot or a fence is still busy"
             await asyncio.sleep(0.002)

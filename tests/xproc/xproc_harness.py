@@ -204,12 +204,17 @@ class Harness:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for dd in reversed(self.dds):
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(dd.finalize(), 15)
-        for p in self.procs:
-            with contextlib.suppress(Exception):
-                await p.stop()
+        # The peers are asked to quit first, so they finalize in their own processes while
+        # ours finalize here (a transfer engine's teardown takes ~1 s on each side).
+        stops = [asyncio.ensure_future(p.stop()) for p in self.procs]
+        try:
+            await asyncio.sleep(0)  # (each stop has written its "quit")
+            for dd in reversed(self.dds):
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(dd.finalize(), 15)
+        finally:
+            # (Cancelled here: the stops are cancelled too, which kills and reaps.)
+            await asyncio.gather(*stops, return_exceptions=True)
 
     async def peer(self, **kw: Any) -> PeerProc:
         p = await PeerProc.start(**kw)
