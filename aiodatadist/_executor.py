@@ -22,7 +22,7 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Final
 
 from . import _native
@@ -226,20 +226,9 @@ async def quiesce(
             the same object: anyio and ``asyncio.timeout`` recognise their own
             cancellation by it (its message), and would let a new one escape.
     """
-    first = cancelled
-    with contextlib.ExitStack() as stack:
-        if first is not None:
-            stack.enter_context(_cancel_shield())
-        while not fut.done():
-            try:
-                # asyncio.wait never cancels or raises what it waits for.
-                await asyncio.wait({fut})
-            except asyncio.CancelledError as exc:
-                if first is None:
-                    first = exc
-                    stack.enter_context(_cancel_shield())
-                    if on_cancel is not None:
-                        on_cancel()
+    first = await _through_cancels(
+        fut.done, lambda: asyncio.wait({fut}), on_cancel=on_cancel, cancelled=cancelled
+    )
     if first is not None:
         if not fut.cancelled():
             fut.exception()  # retrieved: the caller's cancel is what propagates
@@ -252,23 +241,45 @@ async def quiesce(
 async def _wait_work(work: _Work, on_cancel: Callable[[], None]) -> None:
     """:func:`quiesce` for a ``run`` job: waits on its wake future itself (a cancel of
     the task cancels that future; a new one is made), until the job has returned."""
-    first: asyncio.CancelledError | None = None
-    with contextlib.ExitStack() as stack:
-        while not work.done:
-            try:
-                await work.future
-            except asyncio.CancelledError as exc:
-                if first is None:
-                    first = exc
-                    stack.enter_context(_cancel_shield())
-                    on_cancel()
-                if not work.done:
-                    work.future = work.loop.create_future()
+
+    def wake() -> asyncio.Future[Any]:
+        if work.future.done():  # (cancelled with the task: the job still runs)
+            work.future = work.loop.create_future()
+        return work.future
+
+    first = await _through_cancels(lambda: work.done, wake, on_cancel=on_cancel)
     if first is not None:
         try:
             raise first
         finally:
             del first
+
+
+async def _through_cancels(
+    done: Callable[[], bool],
+    wait: Callable[[], Awaitable[Any]],
+    *,
+    on_cancel: Callable[[], None] | None = None,
+    cancelled: asyncio.CancelledError | None = None,
+) -> asyncio.CancelledError | None:
+    """Awaits ``wait()`` until ``done()``, through any number of cancels of the task;
+    returns the first ``CancelledError`` caught (or ``cancelled``), None without one.
+    ``on_cancel`` is called on the first cancel caught here; after it, anyio's scopes
+    are kept from cancelling the task again (:func:`_cancel_shield`)."""
+    first = cancelled
+    with contextlib.ExitStack() as stack:
+        if first is not None:
+            stack.enter_context(_cancel_shield())
+        while not done():
+            try:
+                await wait()
+            except asyncio.CancelledError as exc:
+                if first is None:
+                    first = exc
+                    stack.enter_context(_cancel_shield())
+                    if on_cancel is not None:
+                        on_cancel()
+    return first
 
 
 class TransferExecutor:
