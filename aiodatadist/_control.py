@@ -101,6 +101,7 @@ class Peer(PeerRequests):
             executor=rt.serve_executor,
             cap_s=rt.options.serve_timeout_ms / 1000,
             require_ready=rt.require_ready,
+            book=rt.caches.leases.serve,
         )
 
     # ------------------------------------------------------------ plumbing
@@ -254,6 +255,7 @@ class Peer(PeerRequests):
             if task is not current:
                 task.cancel()
         self.streams.close()
+        self.serving.close()
         if self.on_close is not None:
             cb, self.on_close = self.on_close, None
             await cb(self)

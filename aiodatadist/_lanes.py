@@ -48,10 +48,13 @@ from .metrics import _core as _metrics
 from .types import BlocksCacheKey
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
     from ._caches import CacheEntry
     from ._plan import PullRequest
     from ._runtime import Runtime
     from .links import Link
+    from .metrics._core import LinkMetrics
     from .transports.base import Lane
 
 __all__ = ["MAX_LANES", "MIN_TIMEOUT_S", "FastPulls"]
@@ -154,9 +157,10 @@ class FastPulls:
         dst_layers: object,
         per_layer: object,
         timeout: object,
-    ) -> bool:
+    ) -> bool | Awaitable[bool]:
         """Moves the pull through a kept lane now; False: take the whole path (nothing
-        moved, nothing changed).
+        moved, nothing changed). An awaitable (a ``tcp`` answer still on its way): await
+        it at once, then the same.
 
         Raises:
             LLMException: the lane's copy failed after bytes may have moved (the peer
@@ -225,21 +229,51 @@ class FastPulls:
         m.started += 1
         start = time.perf_counter()
         token = API_CONTEXT.set(_API)  # (errors name the call, as under @public)
+        pending = False
         try:
-            landed = lane.pull(src_blocks, dst_blocks, r.span)
+            landed = lane.pull(src_blocks, dst_blocks, r.span, self._rt.deadline(timeout))
+            if not isinstance(landed, int):  # (tcp: the answer is on its way)
+                pending = True
+                return self._finish(r, link, local, landed, start)
         except BaseException as e:
             m.failed(_metrics.PULL, e)
             self._drop(r)
             raise
         finally:
             API_CONTEXT.reset(token)
-            local.release()
+            if not pending:
+                local.release()
+        return self._landed(r, m, landed, start)
+
+    def _landed(self, r: _Route, m: LinkMetrics, landed: int, start: float) -> bool:
         if not landed:
             m.started -= 1  # not a transfer: the whole path makes it one (and says why)
             self._drop(r)
             return False
-        m.done(_metrics.PULL, lane.kind, landed, 0.0, time.perf_counter() - start)
+        m.done(_metrics.PULL, r.lane.kind, landed, 0.0, time.perf_counter() - start)
         return True
+
+    async def _finish(
+        self, r: _Route, link: Link, local: CacheEntry, landed: Awaitable[int], start: float
+    ) -> bool:
+        """The rest of a lane pull whose answer was not back at once: awaited holding the
+        link's slot (free, and nothing ran since the lane checked it: taken at once), the
+        local cache held, errors counted and named as the whole path's."""
+        token = API_CONTEXT.set(_API)
+        try:
+            await link.slot.acquire(None)
+            try:
+                n = await landed
+            finally:
+                link.slot.release()
+        except BaseException as e:
+            link.metrics.failed(_metrics.PULL, e)
+            self._drop(r)
+            raise
+        finally:
+            API_CONTEXT.reset(token)
+            local.release()
+        return self._landed(r, link.metrics, n, start)
 
     def learn(
         self, dst_cache: object, request: PullRequest, link: Link, remote: CacheEntry | None

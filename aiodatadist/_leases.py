@@ -183,11 +183,26 @@ def _pid_dead(pidfd: int | None) -> bool:
     return False
 
 
+class _BookPage:
+    """The lease words of this instance's serve book (``_native.ServeBook``: what the
+    native tcp serving threads read under, :mod:`aiodatadist.transports.tcp_serve`),
+    granted, renewed and revoked like a linked peer's page; process memory, never a peer's."""
+
+    def __init__(self, book: _native.ServeBook) -> None:
+        self.book = book
+
+    def addr(self, slot: int, api: str | None = None) -> int:
+        return self.book.slot_addr(slot)
+
+    def close(self) -> None:
+        """(The words live as long as the book, which the serving threads share.)"""
+
+
 @dataclass(eq=False)
 class _OwnedPage:
-    """A page this instance owns for one link."""
+    """A page this instance owns for one link (or its serve book's words)."""
 
-    page: LeasePage
+    page: LeasePage | _BookPage
     pidfd: int | None
     retired: bool = False
     gone: bool = False  # the peer had exited before we could watch it
@@ -219,6 +234,10 @@ class LeaseBook:
         self._pages: list[_OwnedPage] = []
         self._channels: list[Channel] = []
         self._segments: Callable[[], list[tuple[str, int, int]]] = list
+        # What the native tcp serving threads may read: every granted cache, under its
+        # lease in the book's own words (revoked like any page: a free waits for them).
+        self.serve = _native.ServeBook(SLOTS)
+        self._pages.append(_OwnedPage(_BookPage(self.serve), None))
 
     def set_segments(self, fn: Callable[[], list[tuple[str, int, int]]]) -> None:
         """``fn()``: ``(name, size, fd)`` of every live segment, pushed to each new link."""
@@ -228,6 +247,10 @@ class LeaseBook:
         """Records ``entry``'s lease and writes it into every live page (lock held)."""
         self._leases[entry.cache_id] = (slot, gen)
         entry.lease = (slot, gen)
+        # (before the generation is published: a request served under it finds this one)
+        self.serve.put(
+            entry.cache_id, slot, gen, entry.geometry, entry.addrs, entry.device_id is not None
+        )
         self._publish_live(slot, gen)
 
     def _publish_live(self, slot: int, gen: int) -> None:
@@ -307,6 +330,7 @@ class LeaseBook:
         with self._lock:
             held = self._leases.pop(entry.cache_id, None)
             entry.lease = None
+            self.serve.remove(entry.cache_id)
             if held is None:
                 return
             slot, _ = held

@@ -114,6 +114,7 @@ def copy_mode() -> str: ...
 
 STREAM_SUPPORTED: bool
 STREAM_THRESHOLD: int
+
 def cma_read(
     pid: int,
     plan: Plan,
@@ -189,6 +190,7 @@ def cma_write(
     control: Control,
     threads: int = 1,
 ) -> None: ...
+
 SOCK_HEADER_BYTES: int
 """Bytes of the header that starts every data stream of a socket transfer."""
 
@@ -241,9 +243,7 @@ SOCK_MAX_REFUSAL_BYTES: int
 def plan_segment_bytes(plan: Plan) -> bytes:
     """The plan's segments as the wire's rows (5 little-endian uint64 each)."""
 
-def plan_striped(
-    plan: Plan, bounds: Sequence[int], streams: int
-) -> tuple[Plan, list[int]] | None:
+def plan_striped(plan: Plan, bounds: Sequence[int], streams: int) -> tuple[Plan, list[int]] | None:
     """A layered pull on ``streams`` streams: ``plan`` reordered so that each stream's share
     carries its part of every layer (cut by ``bounds``) in order, and where each layer's
     part ends in a share; None when a layer's bytes do not divide by ``streams``."""
@@ -304,11 +304,63 @@ class LaneCopy:
         ``max_bytes``; nothing moved), -2: the lease was stale (nothing moved), -3: the
         lease was revoked while the bytes moved (they are not valid). Raises NativeError."""
 
+class ServeBook:
+    """What the native tcp serving threads may read (``ext/serve.hpp``): per cache, its
+    geometry, addresses, lease slot (in the book's own lease words) and generation."""
+
+    def __init__(self, slots: int) -> None: ...
+    @property
+    def slots(self) -> int: ...
+    def slot_addr(self, slot: int) -> int:
+        """The address of lease slot ``slot`` (for ``lease_publish`` / ``lease_revoke``)."""
+    def put(
+        self,
+        cache_id: int,
+        slot: int,
+        gen: int,
+        geometry: Geometry,
+        bases: Sequence[int],
+        device: bool,
+    ) -> None: ...
+    def remove(self, cache_id: int) -> None: ...
+    def __contains__(self, cache_id: int) -> bool: ...
+    def __len__(self) -> int: ...
+
+class StreamServer:
+    """A thread serving one link's request stream (``ext/serve.hpp``): each request
+    checked against ``book``, answered with its bytes under the cache's lease, or a
+    refusal carrying ``codes[native status]`` (``not_exist``: no such cache, or stale)."""
+
+    def __init__(
+        self,
+        book: ServeBook,
+        cap_s: float,
+        max_bytes: int,
+        codes: Sequence[int],
+        not_exist: int,
+    ) -> None: ...
+    def serve(self, fd: int) -> None:
+        """Serves the stream on ``fd`` (owned and closed by the server) from now on; the
+        one served until now is shut down."""
+    def retire(self) -> None: ...
+    def stop(self) -> None:
+        """Ends (and joins) the thread; idempotent."""
+    @property
+    def served(self) -> int: ...
+    @property
+    def failed(self) -> int: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def busy(self) -> bool: ...
+
 def lease_enter(addr: int, gen: int) -> bool:
     """Counts one reader on the slot at ``addr``; False (and no reader left) when the
     slot's generation is not ``gen``."""
+
 def lease_exit(addr: int) -> None:
     """Ends one reader; the last reader of a revoked slot wakes the revoker (shared futex)."""
+
 def lease_publish(addr: int, gen: int) -> None: ...
 def lease_gen(addr: int) -> int: ...
 def lease_readers(addr: int) -> int: ...

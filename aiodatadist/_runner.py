@@ -46,9 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["copy", "run"]
 
 
-async def run(
-    rt: Runtime, link: Link, request: Request, cut: LayerCut | None = None
-) -> CacheEntry:
+async def run(rt: Runtime, link: Link, request: Request, cut: LayerCut | None = None) -> CacheEntry:
     """Moves the bytes ``request`` names over ``link``; returns once they all landed,
     with the peer's cache entry the bytes came from or went to (a pull's fast lane is
     made for it: :mod:`aiodatadist._lanes`).

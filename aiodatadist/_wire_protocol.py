@@ -35,10 +35,11 @@ __all__ = [
     "WireError",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Wire protocol version: the header byte and ``HELLO.version``; peers must match.
 3: small tcp pulls are asked on a data stream (``transports/tcp_requests.py``), which a
-version-2 peer would never answer."""
+version-2 peer would never answer. 4: each direction has a request stream
+(``DATA_HELLO.stream`` ``MAX_STREAMS + direction``), which a version-3 peer refuses."""
 
 MAX_JSON = 16 * 1024 * 1024
 """Largest JSON body (``WELCOME`` and ``TABLE``, which carry the cache table)."""
@@ -53,7 +54,8 @@ MAX_SEGMENTS = 1_000_000
 MAX_TABLE_ENTRIES = 4096
 """Most caches one cache table may describe."""
 MAX_STREAMS = 16
-"""Most parallel data streams per request (``DATA_HELLO.stream`` is below this)."""
+"""Most parallel data streams per request (``DATA_HELLO.stream`` is below this for a
+data stream; ``MAX_STREAMS`` and ``MAX_STREAMS + 1`` name the two request streams)."""
 MAX_DEADLINE_MS = 2**31 - 1
 """Largest ``deadline_ms`` a ``PULL``/``PUSH`` may carry (the server caps it further)."""
 MAX_TEXT = 16 * 1024

@@ -313,7 +313,7 @@ SCHEMAS: Mapping[MsgType, Mapping[str, Field]] = {
     MsgType.PONG: {"t": _TIME},
     MsgType.DATA_HELLO: {
         "link_token": Field(_STR, check=_hex(32, 128)),
-        "stream": Field(_INT, check=_range(0, MAX_STREAMS - 1)),
+        "stream": Field(_INT, check=_range(0, MAX_STREAMS + 1)),  # (+ the request streams)
         "epoch": _EPOCH,
     },
     MsgType.ERROR: {"status": _STATUS, "info": _INFO},

@@ -283,7 +283,7 @@ class CacheManager(PushMixin, LocalMixin, LayerwiseMixin):
         """
         lanes = self._lanes
         if lanes and not v1_names:  # a small repeated pull: its kept lane (aiodatadist._lanes)
-            if lanes.pull(
+            taken = lanes.pull(
                 src_cache_key,
                 dst_cache,
                 src_blocks,
@@ -292,7 +292,10 @@ class CacheManager(PushMixin, LocalMixin, LayerwiseMixin):
                 dst_layer_range,
                 tensor_num_per_layer,
                 timeout,
-            ):
+            )
+            if taken is not True and taken is not False:
+                taken = await taken  # (tcp: its answer, awaited holding the link's slot)
+            if taken:
                 # Lane pulls never suspend: once a ms, one yields, *after* its bytes landed
                 # (a yield before would let a later call's lane pull run first: FIFO).
                 if time.monotonic() >= lanes.yield_due:

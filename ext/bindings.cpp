@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include "core.hpp"
+#include "serve.hpp"
 
 namespace py = pybind11;
 using namespace aiodd;
@@ -326,6 +327,29 @@ PYBIND11_MODULE(_native, m) {
            py::arg("lease_addr"), py::arg("lease_gen"), py::arg("max_bytes"))
       .def("pull", &LaneCopy::pull, py::arg("src_blocks"), py::arg("dst_blocks"),
            py::arg("src_tensor_start"), py::arg("dst_tensor_start"), py::arg("tensor_count"), gil_release());
+  // Native serving of tcp stream requests (serve.hpp).
+  py::class_<ServeBook, std::shared_ptr<ServeBook>>(m, "ServeBook")
+      .def(py::init<uint64_t>(), py::arg("slots"))
+      .def_property_readonly("slots", &ServeBook::slots)
+      .def("slot_addr", &ServeBook::slot_addr, py::arg("slot"))
+      .def("put", &ServeBook::put, py::arg("cache_id"), py::arg("slot"), py::arg("gen"), py::arg("geometry"),
+           py::arg("bases"), py::arg("device"))
+      .def("remove", &ServeBook::remove, py::arg("cache_id"))
+      .def("__contains__", [](const ServeBook& b, uint64_t id) { return b.find(id) != nullptr; })
+      .def("__len__", &ServeBook::size);
+  py::class_<StreamServer>(m, "StreamServer")
+      .def(py::init([](std::shared_ptr<ServeBook> book, double cap_s, uint64_t max_bytes,
+                       std::vector<int64_t> codes, int64_t not_exist) {
+             return new StreamServer(std::move(book), cap_s, max_bytes, RefusalCodes{std::move(codes), not_exist});
+           }),
+           py::arg("book"), py::arg("cap_s"), py::arg("max_bytes"), py::arg("codes"), py::arg("not_exist"))
+      .def("serve", &StreamServer::serve, py::arg("fd"))
+      .def("retire", &StreamServer::retire)
+      .def("stop", &StreamServer::stop, gil_release())
+      .def_property_readonly("served", &StreamServer::served)
+      .def_property_readonly("failed", &StreamServer::failed)
+      .def_property_readonly("bytes", &StreamServer::bytes)
+      .def_property_readonly("busy", &StreamServer::busy);
   m.def("lease_enter", &lease_enter, py::arg("addr"), py::arg("gen"));
   m.def("lease_exit", &lease_exit, py::arg("addr"));
   m.def("lease_publish", &lease_publish, py::arg("addr"), py::arg("gen"));

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["dead_now", "proc_fields", "session_alive"]
+__all__ = ["dead_now", "proc_fields", "session_alive", "stop_now"]
 
 
 def proc_fields(pid: int | str) -> list[str] | None:
@@ -47,3 +47,22 @@ def session_alive(sid: int) -> bool:
             if fields is not None and int(fields[3]) == sid and fields[0] != "Z":
                 return True
     return False
+
+
+def stop_now(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOPs ``pid`` and waits (without yielding) until every thread of it is stopped:
+    ``kill`` only queues the signal, and a thread may still run for a moment after it."""
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return  # (gone)
+        states = [proc_fields(f"{pid}/task/{t}") for t in tids]
+        if all(f is None or f[0] in ("T", "t", "Z", "X") for f in states):
+            return
+        time.sleep(0.0005)
+    raise AssertionError(f"pid {pid} did not stop")

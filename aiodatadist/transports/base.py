@@ -13,7 +13,7 @@ import abc
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -124,9 +124,11 @@ class Lane(abc.ABC):
     next small pulls while nothing else can be in the way: the link's slot is free and
     nobody waits for it, both caches are live and unfenced, the peer's table has not
     changed, no tracer runs. The lane then moves the bytes **synchronously, on the loop
-    thread**, with no await: no slot to queue for, no executor handoff, no wake-up. Only
+    thread**, with no await: no slot to queue for, no executor handoff, no wake-up. The
     paths whose small transfers cannot wait on anything (a one-sided copy, an engine
-    post that completes at once) offer one.
+    post that completes at once) offer one; so does ``tcp``, whose lane asks at once and
+    takes an answer that comes within a short spin, else hands back an awaitable of the
+    rest (its caller then holds the link's slot until it is in).
 
     Attributes:
         kind: the data path it moves bytes over (metrics).
@@ -141,7 +143,13 @@ class Lane(abc.ABC):
         """Whether the lane can still run (its mappings, lease page, channel are up)."""
 
     @abc.abstractmethod
-    def pull(self, src_blocks: list[int], dst_blocks: list[int], span: tuple[int, int, int]) -> int:
+    def pull(
+        self,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        span: tuple[int, int, int],
+        deadline: float | None = None,
+    ) -> int | Awaitable[int]:
         """Moves blocks now, on the calling (loop) thread, GIL released while bytes move.
 
         Args:
@@ -150,10 +158,15 @@ class Lane(abc.ABC):
             span: (first remote tensor, first local tensor, tensor count), as
                 :func:`~aiodatadist._plan.tensor_span` gives them.
 
+            deadline: the call's deadline (loop time); only a lane that may have to wait
+                for its peer (``tcp``) uses it.
+
         Returns:
             The bytes that landed (all of them); 0 when the lane did not take the pull
             and moved nothing (a block out of range or repeated, more than ``max_bytes``,
             a stale lease): the caller takes the whole path, which says what is wrong.
+            A lane whose answer is not back yet (``tcp``) returns an awaitable of the
+            same, which the caller awaits at once holding the link's slot.
 
         Raises:
             LLMException: bytes may have moved and the transfer failed (the peer died,
@@ -204,7 +217,13 @@ class CopyLane(Lane):
     def usable(self) -> bool:  # replaced per instance by ``alive``
         raise NotImplementedError
 
-    def pull(self, src_blocks: list[int], dst_blocks: list[int], span: tuple[int, int, int]) -> int:
+    def pull(
+        self,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        span: tuple[int, int, int],
+        deadline: float | None = None,
+    ) -> int:
         holds = self._holds
         if holds:
             return self._pull_held(src_blocks, dst_blocks, span)

@@ -194,7 +194,13 @@ class EngineLane(Lane):
             self._reqs[key] = req
         return req
 
-    def pull(self, src_blocks: list[int], dst_blocks: list[int], span: tuple[int, int, int]) -> int:
+    def pull(
+        self,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        span: tuple[int, int, int],
+        deadline: float | None = None,
+    ) -> int:
         key = (tuple(src_blocks), tuple(dst_blocks), span)
         req = self._reqs.get(key)
         if req is None or not req.live:

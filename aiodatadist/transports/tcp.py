@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import math
 import os
 import socket
 from collections.abc import Callable
@@ -29,12 +27,21 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import _native, _wire
 from .._executor import quiesce
-from .._leases import LeaseStale
 from ..config import DataPath
-from ..errors import LLMException, LLMStatusCode, failure, from_native, to_status_code
-from .base import Call, LayerCut, Path
+from ..errors import LLMException, LLMStatusCode, failure
+from .base import Call, Lane, LayerCut, Path
 from .peer import ControlLink
-from .tcp_requests import MAX_STREAM_SEGMENTS, decode_refusal, encode_request
+from .tcp_lane import (
+    STREAM_SPIN_US,
+    StreamPull,
+    TcpLane,
+    asked_of,
+    deadline_ms,
+    landing_in,
+    peer_failure,
+    usable_deadline,
+)
+from .tcp_requests import MAX_STREAM_SEGMENTS, decode_refusal
 from .tcp_streams import LOOP_MAX_BYTES, LoopMove
 
 if TYPE_CHECKING:
@@ -47,55 +54,6 @@ Mover = Callable[[list[int], _native.Control, int], Any]
 """The requester's native job: ``mover(fds, control, req)``."""
 Stepper = Callable[[int, int], _native.SockStep]
 """The requester's side of a tiny transfer, moved by the loop: ``stepper(fd, req)``."""
-
-
-# A deadline further away than this (~31 years) is treated as none: loop timers (uvloop's
-# in particular) overflow on huge or infinite times.
-_FOREVER_S = 1e9
-# Stream requests' tags: apart from the control requests' ids (both name transfers in
-# CANCEL and in the serving side's bookkeeping).
-_stream_tags = itertools.count(1 << 40)
-STREAM_SPIN_US = 100
-"""How long a tiny pull waits for its answer on the loop's thread (in ``ppoll``, GIL
-released, never past its deadline) before the loop waits for it: an answer that comes
-within it costs no loop round trip (0: the loop waits from the start)."""
-
-
-def _usable_deadline(deadline: float | None, now: float) -> float | None:
-    """``deadline`` as a loop time the timers can take: None for none, inf, nan or huge;
-    ``now`` for -inf (already passed)."""
-    if deadline is not None and deadline == -math.inf:
-        return now
-    if deadline is None or not math.isfinite(deadline) or deadline - now > _FOREVER_S:
-        return None
-    return deadline
-
-
-def deadline_ms(deadline: float | None, now: float) -> int:
-    """The wire's ``deadline_ms`` for ``deadline``: at least 1, at most the schema's maximum
-    (None, inf or huge: the maximum; the server caps it with its own ServeTimeout)."""
-    if deadline is not None and deadline == -math.inf:
-        return 1
-    if deadline is None or not math.isfinite(deadline):
-        return _wire.MAX_DEADLINE_MS
-    left = (deadline - now) * 1000
-    if left >= _wire.MAX_DEADLINE_MS:
-        return _wire.MAX_DEADLINE_MS
-    return max(1, int(left))
-
-
-def _peer_failure(reply: dict[str, Any]) -> LLMException:
-    """The peer's DONE failure as an LLMException (a status it made up: LLM_FAILED).
-
-    A refusal the peer marks ``stale`` (the cache is gone, or was re-bound since our
-    table) comes as :class:`LeaseStale`: nothing moved, and the caller refreshes its table
-    and retries once.
-    """
-    code = to_status_code(int(reply["status"]))
-    if code == LLMStatusCode.LLM_SUCCESS:
-        code = LLMStatusCode.LLM_FAILED
-    stale = code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST and reply.get("stale") is True
-    return failure(code, f"peer: {reply['info']}", kind=LeaseStale if stale else None)
 
 
 class TcpLink(ControlLink, Protocol):
@@ -226,61 +184,38 @@ class TcpPath(Path):
                 f"the link to cluster {link.info.cluster_id} is closed",
             )
         loop = asyncio.get_running_loop()
-        deadline = _usable_deadline(call.deadline, loop.time())
+        deadline = usable_deadline(call.deadline, loop.time())
         direction = streams.my_direction
-        sock = streams.first(direction)
-        epoch = streams.epoch[direction]
+        sock = streams.request_stream(direction)
         if sock is None:
-            sock = (await self._connect(direction, deadline))[0][0]
-            epoch = streams.epoch[direction]
-        tag = next(_stream_tags)
-        frame = encode_request(
-            tag,
-            remote.cache_id,
-            None if remote.lease is None else remote.lease[1],  # served only for this binding
-            (local.num_tensors, local.num_blocks, local.block_bytes),
-            deadline_ms(call.deadline, loop.time()),
-            _native.plan_segment_bytes(plan),
-        )
-        fd = streams.hold([sock])[0]
-        clean = False
-        try:
-            try:
-                step = _native.SockStep(fd, plan, local.addrs, False, tag=tag)
-            except _native.NativeError as e:
-                raise from_native(e) from e
-            try:
-                sent = sock.send(frame)
-            except BlockingIOError:
-                sent = 0
-            except OSError as e:
-                raise self._broken(e) from e
-            if sent < len(frame):  # (its buffer is full: the peer does not read)
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        await loop.sock_sendall(sock, memoryview(frame)[sent:])
-                except TimeoutError:
-                    raise failure(
-                        LLMStatusCode.LLM_TIMEOUT,
-                        "deadline passed while sending the request (the peer is not reading)",
-                    ) from None
-                except OSError as e:
-                    raise self._broken(e) from e
-            await LoopMove(lambda: step).run(deadline, spin_us=STREAM_SPIN_US * self._spin)
-            clean = True
-            if step.refused:
-                raise _peer_failure(decode_refusal(step.refusal))
-        finally:
-            streams.release([sock])
-            if not clean:
-                # Its position is unknown: never reused. The peer drops or aborts the
-                # request and retires it too (CANCEL, sent in the background).
-                with contextlib.suppress(Exception):
-                    streams.drop(direction, only=[sock])
-                with contextlib.suppress(Exception):
-                    link.cancel_soon(tag, epoch)
+            await self._connect(direction, deadline)
+            sock = streams.request_stream(direction)
+            if sock is None:  # (the peer's set came without one)
+                await self._transfer(
+                    _wire.MsgType.PULL,
+                    plan,
+                    remote,
+                    call,
+                    {"dst_geometry": [local.num_tensors, local.num_blocks, local.block_bytes]},
+                    None,
+                    lambda fd, req: _native.SockStep(fd, plan, local.addrs, False, tag=req),
+                )
+                return
+        ask = StreamPull(self, sock, streams.epoch[direction])
+        spin = STREAM_SPIN_US * self._spin
+        if not ask.begin(plan, asked_of(remote), landing_in(local), deadline, loop.time(), spin):
+            await ask.finish(deadline)
+        if ask.refused:
+            assert ask.step is not None
+            raise peer_failure(decode_refusal(ask.step.refusal))
 
-    def _broken(self, e: OSError) -> LLMException:
+    def lane(self, remote: CacheEntry, local: CacheEntry) -> Lane | None:
+        # Host memory only (what the serving side refuses must take the whole path).
+        if remote.device_id is not None or local.device_id is not None:
+            return None
+        return TcpLane(self, remote, local, STREAM_SPIN_US * self._spin)
+
+    def broken(self, e: OSError) -> LLMException:
         return failure(
             LLMStatusCode.LLM_LINK_FAILED,
             f"the data stream to cluster {self.link.info.cluster_id} broke: {e}",
@@ -337,7 +272,7 @@ class TcpPath(Path):
         loop = asyncio.get_running_loop()
         # Timers cannot take every float: inf, nan and far-off deadlines mean "none" here
         # (the wire's deadline_ms is clamped to its schema, and the server caps it anyway).
-        deadline = _usable_deadline(call.deadline, loop.time())
+        deadline = usable_deadline(call.deadline, loop.time())
         direction = streams.my_direction
         clean = False
         held: list[socket.socket] = []
@@ -422,7 +357,7 @@ class TcpPath(Path):
                 if error is not None:
                     raise error from exc
                 if int(done.result()["status"]) != 0:
-                    raise _peer_failure(done.result()) from exc
+                    raise peer_failure(done.result()) from exc
             raise
         finally:
             done.remove_done_callback(on_reply)
@@ -434,7 +369,7 @@ class TcpPath(Path):
                 LLMStatusCode.LLM_TIMEOUT, "deadline passed waiting for the peer's completion"
             ) from None
         if int(reply["status"]) != 0:
-            raise _peer_failure(reply)
+            raise peer_failure(reply)
 
     async def _await(
         self,
@@ -467,7 +402,7 @@ class TcpPath(Path):
                     LLMStatusCode.LLM_TIMEOUT, "deadline passed waiting for the peer's completion"
                 ) from None
             if int(reply["status"]) != 0:
-                raise _peer_failure(reply)
+                raise peer_failure(reply)
         except BaseException as exc:
             ctl.abort()
             await quiesce(job)
@@ -482,5 +417,5 @@ class TcpPath(Path):
             # A reply that says why beats our local symptom (e.g. the peer's refusal
             # made us abort the mover, which alone would read as a timeout).
             if refusal is not None and isinstance(exc, LLMException):
-                raise _peer_failure(refusal) from exc
+                raise peer_failure(refusal) from exc
             raise

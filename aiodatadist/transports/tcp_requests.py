@@ -205,7 +205,7 @@ class StreamRequests:
     _busy: bool
     _partial: dict[socket.socket, bytes]
     _loop: asyncio.AbstractEventLoop
-    stats: ServeStats
+    _stats: ServeStats
 
     def _resolve(
         self,
@@ -339,14 +339,14 @@ class StreamRequests:
             cancelled = r.tag in self._cancelled
             self._cancelled.discard(r.tag)
             if cancelled:
-                self.stats.cancelled_running += 1
+                self._stats.cancelled_running += 1
             self._end_stream(job, ok=ok, count=not cancelled)
 
     def _refuse(
         self, job: StreamJob, status: LLMStatusCode, info: str, stale: bool = False
     ) -> None:
         """Answers a stream request with a refusal frame (nothing else was sent on it)."""
-        self.stats.failed += 1
+        self._stats.failed += 1
         frame = encode_refusal(job.request.tag, int(status), info, stale)
         try:
             sent = job.sock.send(frame)
@@ -364,9 +364,9 @@ class StreamRequests:
             job.started = None
         if count:
             if ok:
-                self.stats.served += 1
+                self._stats.served += 1
             else:
-                self.stats.failed += 1
+                self._stats.failed += 1
         if not ok:
             self._streams.drop(1 - self._streams.my_direction, only=[job.sock])
         if job.held:

@@ -24,7 +24,9 @@ the answer, a send that fails) is retired.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from .. import _native, _wire
 from .._caches import require_host_memory
 from .._leases import LeaseStale
-from ..errors import LLMException, LLMStatusCode, failure, from_native
+from ..errors import NATIVE_STATUS_TABLE, LLMException, LLMStatusCode, failure, from_native
 from .tcp_requests import ServeStats, StreamJob, StreamRequests
 from .tcp_streams import LOOP_MAX_BYTES, LoopMove
 
@@ -48,6 +50,13 @@ log = logging.getLogger("aiodatadist.transports.tcp")
 
 MAX_QUEUED_REQUESTS = 8
 """Requests of one peer waiting to be served; past it the link's reading stops."""
+
+# The status a native refusal carries for each native error (the one mapping, errors.py).
+_REFUSAL_CODES = [
+    int(NATIVE_STATUS_TABLE.get(int(s), LLMStatusCode.LLM_FAILED))
+    for s in range(len(_native.Status))
+]
+_NOT_EXIST = int(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
 
 
 class TcpServing(StreamRequests):
@@ -71,6 +80,7 @@ class TcpServing(StreamRequests):
         executor: TransferExecutor,
         cap_s: float,
         require_ready: Callable[[], None],
+        book: _native.ServeBook | None = None,
     ) -> None:
         self._link = link
         self._streams = streams
@@ -93,8 +103,48 @@ class TcpServing(StreamRequests):
         self._busy = False  # the serve loop is serving one (a stream request then queues)
         self._partial: dict[socket.socket, bytes] = {}  # stream requests not all here yet
         self._loop = asyncio.get_running_loop()
-        self.stats = ServeStats()
-        streams.serve_requests(self._readable)
+        self._stats = ServeStats()
+        # The request stream's serving thread (made with the first one; ``book``: what it
+        # may read, the instance's lease book's).
+        self._book = book
+        self._native: _native.StreamServer | None = None
+        streams.serve_requests(self._readable, None if book is None else self._request_stream)
+
+    @property
+    def stats(self) -> ServeStats:
+        """What was served so far (the native serving thread's requests included)."""
+        srv = self._native
+        if srv is None:
+            return self._stats
+        return dataclasses.replace(
+            self._stats,
+            served=self._stats.served + srv.served,
+            failed=self._stats.failed + srv.failed,
+        )
+
+    @property
+    def native_busy(self) -> bool:
+        """The native serving thread is answering a request now (for tests)."""
+        return self._native is not None and self._native.busy
+
+    def _request_stream(self, sock: socket.socket) -> None:
+        """The peer's request stream attached: its native serving thread serves it (on a
+        dup of its fd; the one before it is shut down)."""
+        if self._link.closed.is_set() or self._book is None:
+            return
+        if self._native is None:
+            self._native = _native.StreamServer(
+                self._book, self._cap, LOOP_MAX_BYTES, _REFUSAL_CODES, _NOT_EXIST
+            )
+        self._native.serve(os.dup(sock.fileno()))
+
+    def close(self) -> None:
+        """The link closed: the serving thread ends (its counts kept). Idempotent."""
+        srv, self._native = self._native, None
+        if srv is not None:
+            srv.stop()
+            self._stats.served += srv.served
+            self._stats.failed += srv.failed
 
     async def enqueue(self, msg: _wire.Message) -> None:
         """Queues a PULL or PUSH (waits while MAX_QUEUED_REQUESTS wait: the peer floods us)."""
@@ -120,6 +170,7 @@ class TcpServing(StreamRequests):
             await self._run()
         finally:
             self._abandon_queued()
+            self.close()
 
     async def _run(self) -> None:
         while not self._link.closed.is_set():  # _serve may close the link (a peer not reading)
@@ -136,7 +187,7 @@ class TcpServing(StreamRequests):
             try:
                 if req in self._cancelled:
                     self._cancelled.discard(req)
-                    self.stats.cancelled_queued += 1
+                    self._stats.cancelled_queued += 1
                     if isinstance(msg, StreamJob):
                         self._end_stream(msg, ok=False, count=False)
                     continue  # the requester gave up on it: nothing to send, nothing to answer
@@ -313,12 +364,12 @@ class TcpServing(StreamRequests):
         if req in self._cancelled:
             # The requester gave up (CANCEL) and will not read a reply.
             self._cancelled.discard(req)
-            self.stats.cancelled_running += 1
+            self._stats.cancelled_running += 1
             return
         if status == LLMStatusCode.LLM_SUCCESS:
-            self.stats.served += 1
+            self._stats.served += 1
         else:
-            self.stats.failed += 1
+            self._stats.failed += 1
         try:
             # A peer that stopped reading must not hold this loop: the reply is bounded.
             async with asyncio.timeout(self._cap):
@@ -341,7 +392,7 @@ class TcpServing(StreamRequests):
             if req in self._cancelled:
                 raise failure(LLMStatusCode.LLM_FAILED, "cancelled by the requester", api=api)
             if streams.is_dead(direction, epoch):
-                self.stats.stale += 1
+                self._stats.stale += 1
                 raise failure(
                     LLMStatusCode.LLM_FAILED,
                     f"stale request {req}: its data streams (epoch {epoch}) were replaced "

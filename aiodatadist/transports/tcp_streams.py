@@ -32,7 +32,7 @@ from ..errors import LLMException, LLMStatusCode, failure, from_native
 if TYPE_CHECKING:
     from .peer import ControlLink
 
-__all__ = ["ACK", "LOOP_MAX_BYTES", "STREAM_SLOTS", "LoopMove", "TcpStreams"]
+__all__ = ["ACK", "LOOP_MAX_BYTES", "REQUEST_STREAM", "STREAM_SLOTS", "LoopMove", "TcpStreams"]
 
 log = logging.getLogger("aiodatadist.transports.tcp")
 
@@ -41,6 +41,10 @@ ACK = b"\x01"
 STREAM_SLOTS = 8
 """DATA_HELLO.stream = direction * STREAM_SLOTS + i: the layout does not depend on
 either side's ``tcp_streams``, so peers configured differently still agree on it."""
+REQUEST_STREAM = 2 * STREAM_SLOTS  # (= _wire.MAX_STREAMS)
+"""DATA_HELLO.stream = REQUEST_STREAM + direction: that direction's request stream, which
+carries only stream requests (tiny pulls, ``tcp_requests``) and their answers; its
+serving end hands it to a native serving thread (``tcp_serve``)."""
 CONNECT_TIMEOUT = 10.0
 """How long a background reconnect of the peer-started streams may take."""
 LOOP_MAX_BYTES = 256 * 1024
@@ -168,6 +172,10 @@ class TcpStreams:
         # (serve_requests) is called when one is readable and nothing else uses it.
         self._on_request: Callable[[socket.socket], None] | None = None
         self._watched: set[socket.socket] = set()
+        # Each direction's request stream (of that direction's epoch); the peer's is
+        # handed to the serving half (serve_requests' on_stream) as it attaches.
+        self.req: list[socket.socket | None] = [None, None]
+        self._on_stream: Callable[[socket.socket], None] | None = None
 
     @property
     def my_direction(self) -> int:
@@ -209,6 +217,16 @@ class TcpStreams:
             self._close(s)
             self.sockets[direction][i] = None
             dropped = True
+        r = self.req[direction]
+        if r is not None and (only is None or r in only):
+            self.ready[direction].clear()
+            self._dead_epoch[direction] = max(self._dead_epoch[direction], self._epoch_of.pop(r, 0))
+            # Shut down, not just closed: a serving thread holds its own fd of it.
+            with contextlib.suppress(OSError):
+                r.shutdown(socket.SHUT_RDWR)
+            self._close(r)
+            self.req[direction] = None
+            dropped = True
         if only is None:
             self.ready[direction].clear()
             self._dead_epoch[direction] = max(self._dead_epoch[direction], self.epoch[direction])
@@ -222,7 +240,7 @@ class TcpStreams:
         """The peer gave up its streams of ``epoch`` and older (CANCEL): retires them."""
         old = [
             s
-            for s in self.sockets[direction]
+            for s in (*self.sockets[direction], self.req[direction])
             if s is not None and self._epoch_of.get(s, 0) <= epoch
         ]
         if old:
@@ -236,13 +254,30 @@ class TcpStreams:
 
     # ------------------------------------------------------------ stream requests
 
-    def serve_requests(self, on_request: Callable[[socket.socket], None]) -> None:
-        """Calls ``on_request(sock)`` whenever a stream of the peer's direction is readable
-        while no transfer holds it (a held stream is watched again on its release)."""
+    def serve_requests(
+        self,
+        on_request: Callable[[socket.socket], None],
+        on_stream: Callable[[socket.socket], None] | None = None,
+    ) -> None:
+        """Calls ``on_request(sock)`` whenever a data stream of the peer's direction is
+        readable while no transfer holds it (a held stream is watched again on its
+        release), and ``on_stream(sock)`` with each request stream of the peer's direction
+        as it attaches (the one in place now, too)."""
         self._on_request = on_request
+        self._on_stream = on_stream
         for s in self.sockets[1 - self.my_direction]:
             if s is not None:
                 self._watch(s)
+        r = self.req[1 - self.my_direction]
+        if r is not None and on_stream is not None:
+            on_stream(r)
+
+    def request_stream(self, direction: int) -> socket.socket | None:
+        """The request stream of ``direction`` when the current set is all connected."""
+        if not self.ready[direction].is_set():
+            return None
+        r = self.req[direction]
+        return r if r is not None and self._epoch_of.get(r) == self.epoch[direction] else None
 
     def _watch(self, s: socket.socket) -> None:
         if (
@@ -297,6 +332,10 @@ class TcpStreams:
             self._in_use[s] = self._in_use.get(s, 0) + 1
         return [s.fileno() for s in socks]
 
+    def held(self, s: socket.socket) -> bool:
+        """Whether a transfer holds ``s`` now."""
+        return s in self._in_use
+
     def release(self, socks: list[socket.socket]) -> None:
         for s in socks:
             left = self._in_use.pop(s, 1) - 1
@@ -314,6 +353,8 @@ class TcpStreams:
     def attach(self, index: int, sock: socket.socket, epoch: int) -> bool:
         """Puts a connected stream of ``epoch`` in its slot. A newer epoch retires the
         direction's older streams; a stream of a dead or older epoch is refused."""
+        if index in (REQUEST_STREAM, REQUEST_STREAM + 1):
+            return self._attach_request(index - REQUEST_STREAM, sock, epoch)
         direction, i = divmod(index, STREAM_SLOTS)
         if direction > 1 or i >= len(self.sockets[direction]):
             return False
@@ -332,6 +373,26 @@ class TcpStreams:
         need = self.sockets[direction] if self.is_client else self.sockets[direction][:1]
         if all(s is not None for s in need):
             self.ready[direction].set()
+        self._notify(direction)
+        return True
+
+    def _attach_request(self, direction: int, sock: socket.socket, epoch: int) -> bool:
+        """A direction's request stream (connected before its data streams)."""
+        if self.is_dead(direction, epoch):
+            return False
+        if epoch > self.epoch[direction]:
+            self.drop(direction)  # the peer replaced the whole set
+            self.epoch[direction] = epoch
+        old = self.req[direction]
+        if old is not None:
+            self._epoch_of.pop(old, None)
+            with contextlib.suppress(OSError):
+                old.shutdown(socket.SHUT_RDWR)
+            self._close(old)
+        self.req[direction] = sock
+        self._epoch_of[sock] = epoch
+        if direction != self.my_direction and self._on_stream is not None:
+            self._on_stream(sock)
         self._notify(direction)
         return True
 
@@ -370,6 +431,8 @@ class TcpStreams:
             host, port = link.endpoint
             base = direction * STREAM_SLOTS
             async with asyncio.timeout_at(deadline):
+                # The request stream first: it is in place once the set reads ready.
+                await self._connect_one(host, port, REQUEST_STREAM + direction, epoch)
                 for i in range(self.n_streams):
                     await self._connect_one(host, port, base + i, epoch)
         finally:

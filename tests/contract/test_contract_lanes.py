@@ -30,7 +30,7 @@ pytestmark = pytest.mark.asyncio
 
 S = LLMStatusCode
 FREED = 0xEE
-LANED = {"inproc", "shm", "cma"}  # the paths that keep lanes (engines may, too)
+LANED = {"inproc", "shm", "cma", "tcp"}  # the paths that keep lanes (engines may, too)
 
 
 def _count_whole_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:

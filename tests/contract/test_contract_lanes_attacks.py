@@ -24,7 +24,7 @@ from tests.xproc.xproc_harness import assert_same
 
 pytestmark = pytest.mark.asyncio
 
-LANED = {"inproc", "shm", "cma"}
+LANED = {"inproc", "shm", "cma", "tcp"}
 
 
 @pytest.fixture(

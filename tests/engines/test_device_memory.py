@@ -153,6 +153,16 @@ async def test_local_operations_never_read_device_memory() -> None:
             assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
+def _set_device(pair: Any, cache_id: int, device: int | None) -> None:
+    """Makes the prompt's cache (not) a device cache in place, its serving threads' record
+    too (a real one is registered so: ``device_id`` never changes after registration)."""
+    caches = pair.prompt.cache_manager._caches
+    entry = caches.entries[cache_id]
+    entry.device_id = device
+    slot, gen = entry.lease
+    caches.leases.serve.put(cache_id, slot, gen, entry.geometry, entry.addrs, device is not None)
+
+
 async def test_a_peer_asking_tcp_for_a_device_cache_is_refused() -> None:
     # The server's own check: whatever the requester's table says (here: host memory,
     # as the table was sent before the cache became a device cache), tcp never reads it.
@@ -161,14 +171,14 @@ async def test_a_peer_asking_tcp_for_a_device_cache_is_refused() -> None:
         dst = make_blocks_cache(pair.decoder, num_blocks=4)
         key = BlocksCacheKey(pair.prompt.cluster_id, 3)
         await pair.decoder.cache_manager.pull_blocks(key, dst.cache, [0], [0])  # mirror fresh
-        pair.prompt.cache_manager._caches.entries[src.cache.cache_id].device_id = 0
+        _set_device(pair, src.cache.cache_id, 0)
         for t in dst.tensors:
             t[...] = 0x5A
         with pytest.raises(LLMException, match="in device memory") as e:
             await pair.decoder.cache_manager.pull_blocks(key, dst.cache, [1, 2], [1, 2])
         assert _status(e) == LLMStatusCode.LLM_PARAM_INVALID
         assert all(bool((t == 0x5A).all()) for t in dst.tensors)  # nothing landed
-        pair.prompt.cache_manager._caches.entries[src.cache.cache_id].device_id = None
+        _set_device(pair, src.cache.cache_id, None)
         await pair.decoder.cache_manager.pull_blocks(key, dst.cache, [1], [1])  # link usable
 
 

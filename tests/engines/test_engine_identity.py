@@ -28,6 +28,7 @@ async def test_a_peer_presenting_another_clusters_nixl_agent_is_refused() -> Non
         from aiodatadist.config import DataPath
 
         link.path.forced = DataPath.NIXL
+        pair.decoder.cache_manager._lanes.clear()  # (the tcp pull's lane would take the next)
         for t in dst.tensors:
             t.view("uint8")[...] = 0x44
         # The same metadata, claimed under another cluster's agent name.

@@ -252,9 +252,7 @@ async def test_a_same_host_link_gets_an_fd_channel_and_refuses_strangers() -> No
         assert got == b""  # closed by the server
         raw.close()
         # The real link is untouched.
-        await decoder.cache_manager.pull_blocks(
-            BlocksCacheKey(901, 3), dst, [0], [0], timeout=5
-        )
+        await decoder.cache_manager.pull_blocks(BlocksCacheKey(901, 3), dst, [0], [0], timeout=5)
     finally:
         await decoder.finalize()
         await prompt.finalize()
@@ -322,6 +320,10 @@ class _Entry:
     def __init__(self, cache_id: int) -> None:
         self.cache_id = cache_id
         self.lease: tuple[int, int] | None = None
+        # (what the serve book records of a cache: no memory behind it, nothing serves it)
+        self.geometry = _native.Geometry(1, 1, 1)
+        self.addrs = [4096]
+        self.device_id = None
 
 
 async def test_the_book_revokes_on_every_page_or_changes_nothing() -> None:

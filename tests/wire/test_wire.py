@@ -329,7 +329,7 @@ REJECTIONS: list[tuple[str, MsgType, Mutation, str]] = [
     ("deadline-overflow", MsgType.PULL, _set("deadline_ms", 2**31), "out of range"),
     ("streams-17", MsgType.PULL, _set("streams", 17), "out of range"),
     ("streams-0", MsgType.PUSH, _set("streams", 0), "out of range"),
-    ("stream-16", MsgType.DATA_HELLO, _set("stream", 16), "out of range"),
+    ("stream-18", MsgType.DATA_HELLO, _set("stream", 18), "out of range"),
     ("epoch-negative", MsgType.DATA_HELLO, _set("epoch", -1), "out of range"),
     ("epoch-overflow", MsgType.PULL, _set("epoch", 2**64), "out of range"),
     ("epoch-bool", MsgType.PUSH, _set("epoch", True), "expected int, got bool"),

@@ -27,6 +27,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -70,9 +71,7 @@ def _dev_shm() -> list[str]:
     return leftover_segments(None)
 
 
-async def _pair(
-    h: Harness, path: str, *, sync_ms: int = 5000
-) -> tuple[LLMDataDist, PeerProc]:
+async def _pair(h: Harness, path: str, *, sync_ms: int = 5000) -> tuple[LLMDataDist, PeerProc]:
     prompt = await h.peer(cluster_id=PROMPT, data_path=path, seed=SEED, sync_ms=sync_ms)
     dd, _ = await h.local(DECODER, decoder_options(path, **{"llm.SyncKvCacheWaitTime": "8000"}))
     await link(dd, prompt, PROMPT)
@@ -172,9 +171,7 @@ async def test_unregister_waits_for_a_running_pull(path: str) -> None:
                 page = lk.path.fds.page
                 assert page is not None
                 addr = page.addr(remote.lease[0])
-                await asyncio.wait_for(
-                    asyncio.to_thread(_spin_until_read, addr, pull.done), 10
-                )
+                await asyncio.wait_for(asyncio.to_thread(_spin_until_read, addr, pull.done), 10)
             else:
                 await asyncio.sleep(0)  # the free races the pull's start
             freed = await prompt.call("free", name="large", fill=FREED, timeout=30)
@@ -339,8 +336,11 @@ async def test_killed_decoder_leaves_nothing_and_the_prompt_carries_on() -> None
             task = await cm.transfer_cache_async(
                 caches["alloc"].cache,
                 Always(),
-                [TransferWithCacheKeyConfig(BlocksCacheKey(DECODER, xc.MODEL_ALLOC), range(2),
-                                            range(2))],
+                [
+                    TransferWithCacheKeyConfig(
+                        BlocksCacheKey(DECODER, xc.MODEL_ALLOC), range(2), range(2)
+                    )
+                ],
                 [0],
                 [0],
             )
@@ -356,6 +356,13 @@ async def test_killed_decoder_leaves_nothing_and_the_prompt_carries_on() -> None
 
 
 # ------------------------------------------------------------------ a stalled reader
+
+
+def _link_pages(cm: Any) -> list[Any]:
+    """The live lease pages our links own (not the serve book's words)."""
+    from aiodatadist._leases import LeasePage
+
+    return [p for p in cm.leases._pages if not p.retired and isinstance(p.page, LeasePage)]
 
 
 def _stop_when_reading(addr: int, pid: int, out: dict[str, float]) -> None:
@@ -400,17 +407,14 @@ async def test_a_stalled_reader_holds_off_unregister(ending: str) -> None:
         # The page goes to the decoder over the fd channel, which the decoder connects
         # after its link call returned: on a loaded machine that may take a moment.
         await until(
-            lambda: len([p for p in cm.leases._pages if not p.retired]) == 1,
+            lambda: len(_link_pages(cm)) == 1,
             10,
             "the decoder's link to own one lease page of ours",
         )
-        pages = [p for p in cm.leases._pages if not p.retired]
-        addr = pages[0].page.addr(slot)
+        addr = _link_pages(cm)[0].page.addr(slot)
         nblk = big.cache_desc.shape[0]
         out: dict[str, float] = {}
-        watcher = asyncio.create_task(
-            asyncio.to_thread(_stop_when_reading, addr, decoder.pid, out)
-        )
+        watcher = asyncio.create_task(asyncio.to_thread(_stop_when_reading, addr, decoder.pid, out))
         await decoder.send(
             "pull_blocks", cluster_id=PROMPT, model_id=xc.MODEL_BIG, dst="big",
             src_blocks=list(range(nblk)), dst_blocks=list(range(nblk)), timeout=60,

@@ -64,9 +64,10 @@ async def test_silent_peers_do_not_starve_others_and_are_capped() -> None:
         dd, local = await h.local(DECODER, decoder_options("tcp"))
         await link(dd, prompt, PROMPT)
         loop = asyncio.get_running_loop()
-        async with RawClient(prompt.host, prompt.port) as a, RawClient(
-            prompt.host, prompt.port
-        ) as b:
+        async with (
+            RawClient(prompt.host, prompt.port) as a,
+            RawClient(prompt.host, prompt.port) as b,
+        ):
             for i, raw in enumerate((a, b)):
                 await raw.handshake(RAW + i)
                 await raw.open_stream(0)
@@ -78,7 +79,13 @@ async def test_silent_peers_do_not_starve_others_and_are_capped() -> None:
             # Another decoder's pulls are served, with the right bytes, in their normal time.
             for blocks in ([1, 2], [5], [0, 7]):
                 await pull_and_check(
-                    dd, local["reg"], PROMPT, SEED, "reg", blocks, [3, 4][: len(blocks)],
+                    dd,
+                    local["reg"],
+                    PROMPT,
+                    SEED,
+                    "reg",
+                    blocks,
+                    [3, 4][: len(blocks)],
                     timeout=2.0,
                 )
             # The cap (ServeTimeout, 2 s from arrival) ends the silent requests: each
@@ -134,7 +141,11 @@ async def test_tcp_pull_with_an_unbounded_deadline(far: float | None) -> None:
         call = Call("pull_blocks", far, dd._rt.executor)
         await asyncio.wait_for(path.pull(plan, remote, mine, call), 10)
         want = xc.expect_blocks(
-            before, xc.reference(SEED, "reg"), spec.unit, [2, 5], [6, 1],
+            before,
+            xc.reference(SEED, "reg"),
+            spec.unit,
+            [2, 5],
+            [6, 1],
             (0, 0, spec.num_tensors),
         )
         assert (dst.matrix() == want).all()

@@ -80,9 +80,7 @@ async def _stalled_server(
 @pytest.mark.asyncio
 async def test_pull_to_a_peer_that_stopped_reading_ends_at_its_deadline() -> None:
     stop = asyncio.Event()
-    server = await asyncio.start_server(
-        lambda r, w: _stalled_server(r, w, stop), "127.0.0.1", 0
-    )
+    server = await asyncio.start_server(lambda r, w: _stalled_server(r, w, stop), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     dd = LLMDataDist(LLMRole.DECODER, 42)
     await dd.init({"aiodatadist.TcpStreams": "1"})
@@ -111,4 +109,3 @@ async def test_pull_to_a_peer_that_stopped_reading_ends_at_its_deadline() -> Non
             server.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server.wait_closed(), 2)
-

@@ -379,13 +379,18 @@ class RawClient:
         self.welcome = welcome.body
         return welcome.body
 
-    async def open_stream(self, index: int, epoch: int = 1) -> socket.socket:
-        """A data stream (DATA_HELLO + ACK) of ``epoch``, as a non-blocking socket."""
+    async def open_stream(
+        self, index: int, epoch: int = 1, rcvbuf: int | None = None
+    ) -> socket.socket:
+        """A data stream (DATA_HELLO + ACK) of ``epoch``, as a non-blocking socket
+        (``rcvbuf``: its receive buffer, set before it connects)."""
         assert self.welcome is not None
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.streams.append(sock)
         sock.setblocking(False)
+        if rcvbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         await asyncio.wait_for(loop.sock_connect(sock, (self.host, self.port)), REPLY_TIMEOUT)
         frame = _wire.encode(
             _wire.MsgType.DATA_HELLO,
