@@ -13,12 +13,16 @@ failed DONE, touching no stream, when that epoch was retired. A CANCEL {req, epo
 drops the request if queued, aborts it if running, and retires the streams of that
 epoch and older.
 
-Stream requests (tiny pulls, see ``tcp_streams``) arrive on a data stream of the peer's
-direction and are answered on it: served at once from the loop's readiness callback
-when nothing else is being served (one ``sendmsg`` of the stream header and the bytes,
-no task, no DONE), else queued in order with the others. A refused one gets a refusal
-frame on its stream; a stream that misbehaves (not a request, a second request before
-the answer, a send that fails) is retired.
+Stream requests (tiny pulls, ``tcp_requests``) arrive on the request stream of the
+peer's direction, which this side hands to a native serving thread of the link's own
+(``_native.StreamServer``, ``ext/serve.cpp``) as it attaches: no loop, no GIL, no task,
+no DONE. It checks each request against the instance's serve book (every registered
+cache, its geometry and lease; ``_leases.LeaseBook.serve``) and answers with the stream
+header and the bytes, sent under the cache's lease (a free waits for them, or refuses,
+as for a peer's one-sided copy), or with a refusal frame naming the status; a stream
+that misbehaves (not a request, a second request before the answer, a request not all
+sent within ``ServeTimeout``, a send that fails or outlasts the deadline) is shut down.
+The thread ends with the link.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from .. import _native, _wire
 from .._caches import require_host_memory
 from .._leases import LeaseStale
 from ..errors import NATIVE_STATUS_TABLE, LLMException, LLMStatusCode, failure, from_native
-from .tcp_requests import ServeStats, StreamJob, StreamRequests
+from .tcp_requests import ServeStats
 from .tcp_streams import LOOP_MAX_BYTES, LoopMove
 
 if TYPE_CHECKING:
@@ -59,7 +63,7 @@ _REFUSAL_CODES = [
 _NOT_EXIST = int(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
 
 
-class TcpServing(StreamRequests):
+class TcpServing:
     """Serves one link's peer requests, in order, one at a time.
 
     Args:
@@ -91,24 +95,21 @@ class TcpServing(StreamRequests):
         # (request, loop time it arrived): its deadline counts from arrival, queueing
         # included. A well-behaved peer has at most one request in flight per direction
         # (its link slot orders them); a full queue stops reading from a peer that floods us.
-        # Stream requests queue too (at most one per stream: it stays unwatched meanwhile),
-        # outside the control messages' bound.
-        self._requests: asyncio.Queue[tuple[_wire.Message | StreamJob, float]] = asyncio.Queue()
+        self._requests: asyncio.Queue[tuple[_wire.Message, float]] = asyncio.Queue()
         self._room = asyncio.Semaphore(MAX_QUEUED_REQUESTS)
         # For CANCEL: req ids queued (with a count), cancelled while queued, and the
         # running one (req, its abort token).
         self._queued: dict[int, int] = {}
         self._cancelled: set[int] = set()
         self._running: tuple[int, _native.Control | LoopMove] | None = None
-        self._busy = False  # the serve loop is serving one (a stream request then queues)
-        self._partial: dict[socket.socket, bytes] = {}  # stream requests not all here yet
         self._loop = asyncio.get_running_loop()
         self._stats = ServeStats()
         # The request stream's serving thread (made with the first one; ``book``: what it
         # may read, the instance's lease book's).
         self._book = book
         self._native: _native.StreamServer | None = None
-        streams.serve_requests(self._readable, None if book is None else self._request_stream)
+        if book is not None:
+            streams.serve_requests(self._request_stream)
 
     @property
     def stats(self) -> ServeStats:
@@ -169,40 +170,28 @@ class TcpServing(StreamRequests):
         try:
             await self._run()
         finally:
-            self._abandon_queued()
             self.close()
 
     async def _run(self) -> None:
         while not self._link.closed.is_set():  # _serve may close the link (a peer not reading)
             msg, arrived = await self._requests.get()
-            if isinstance(msg, StreamJob):
-                req = msg.request.tag
-            else:
-                self._room.release()
-                req = int(msg.body["req"])
+            self._room.release()
+            req = int(msg.body["req"])
             left = self._queued.pop(req, 1) - 1
             if left > 0:
                 self._queued[req] = left
-            self._busy = True
             try:
                 if req in self._cancelled:
                     self._cancelled.discard(req)
                     self._stats.cancelled_queued += 1
-                    if isinstance(msg, StreamJob):
-                        self._end_stream(msg, ok=False, count=False)
                     continue  # the requester gave up on it: nothing to send, nothing to answer
-                if isinstance(msg, StreamJob):
-                    await self._serve_stream(msg, arrived)
-                else:
-                    await self._serve(msg, arrived)
+                await self._serve(msg, arrived)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception(
                     "serving a request from cluster %d failed", self._link.info.cluster_id
                 )
-            finally:
-                self._busy = False
 
     async def _serve(self, msg: _wire.Message, arrived: float) -> None:
         """Serves one PULL (we send) or PUSH (we receive) against our registered memory.

@@ -12,9 +12,10 @@ A socket a native job uses is *held* (:meth:`TcpStreams.hold`): retiring it then
 shuts it down (the job's wait ends at once) and closes it only once the job has
 returned, so its fd number is never reused under the job.
 
-Streams of the peer's direction are *watched* by the loop while nothing holds them:
-the peer asks tiny pulls on them (``tcp_requests``), and the serving half is called
-when one is readable (:meth:`TcpStreams.serve_requests`).
+Each direction also has a *request stream* (``REQUEST_STREAM + direction``), connected
+with its set, before its data streams: the requester asks tiny pulls on it
+(``tcp_requests``), and the serving side hands the peer's to its native serving thread
+as it attaches (:meth:`TcpStreams.serve_requests`).
 """
 
 from __future__ import annotations
@@ -168,10 +169,6 @@ class TcpStreams:
         self._in_use: dict[socket.socket, int] = {}
         self._retired: set[socket.socket] = set()
         self._loop = asyncio.get_running_loop()
-        # Streams of the peer's direction carry its stream requests: the serving half
-        # (serve_requests) is called when one is readable and nothing else uses it.
-        self._on_request: Callable[[socket.socket], None] | None = None
-        self._watched: set[socket.socket] = set()
         # Each direction's request stream (of that direction's epoch); the peer's is
         # handed to the serving half (serve_requests' on_stream) as it attaches.
         self.req: list[socket.socket | None] = [None, None]
@@ -254,22 +251,12 @@ class TcpStreams:
 
     # ------------------------------------------------------------ stream requests
 
-    def serve_requests(
-        self,
-        on_request: Callable[[socket.socket], None],
-        on_stream: Callable[[socket.socket], None] | None = None,
-    ) -> None:
-        """Calls ``on_request(sock)`` whenever a data stream of the peer's direction is
-        readable while no transfer holds it (a held stream is watched again on its
-        release), and ``on_stream(sock)`` with each request stream of the peer's direction
-        as it attaches (the one in place now, too)."""
-        self._on_request = on_request
+    def serve_requests(self, on_stream: Callable[[socket.socket], None]) -> None:
+        """Calls ``on_stream(sock)`` with each request stream of the peer's direction as it
+        attaches (the one in place now, too)."""
         self._on_stream = on_stream
-        for s in self.sockets[1 - self.my_direction]:
-            if s is not None:
-                self._watch(s)
         r = self.req[1 - self.my_direction]
-        if r is not None and on_stream is not None:
+        if r is not None:
             on_stream(r)
 
     def request_stream(self, direction: int) -> socket.socket | None:
@@ -279,43 +266,11 @@ class TcpStreams:
         r = self.req[direction]
         return r if r is not None and self._epoch_of.get(r) == self.epoch[direction] else None
 
-    def _watch(self, s: socket.socket) -> None:
-        if (
-            self._on_request is None
-            or s in self._watched
-            or s in self._in_use
-            or s in self._retired
-            or s not in self.sockets[1 - self.my_direction]
-            or s.fileno() < 0
-        ):
-            return
-        self._loop.add_reader(s.fileno(), self._on_request, s)
-        self._watched.add(s)
-
-    def first(self, direction: int) -> socket.socket | None:
-        """The first stream of ``direction`` when the current set is all connected."""
-        if not self.ready[direction].is_set():
-            return None
-        s = self.sockets[direction][0]
-        return s if s is not None and self._epoch_of.get(s) == self.epoch[direction] else None
-
-    def in_place(self, s: socket.socket) -> bool:
-        """Whether ``s`` is still one of the streams (not retired or replaced)."""
-        return s not in self._retired and any(s in d for d in self.sockets)
-
-    def unwatch(self, s: socket.socket) -> None:
-        """Stops watching ``s`` for stream requests until its next :meth:`release`."""
-        if s in self._watched:
-            self._watched.discard(s)
-            with contextlib.suppress(Exception):  # (a loop already closed)
-                self._loop.remove_reader(s.fileno())
-
     # ------------------------------------------------------------ holds
 
     def _close(self, s: socket.socket) -> None:
         """Closes a stream, or, while a native job uses it, shuts it down (which ends the
         job's wait at once) and closes it when the job has returned."""
-        self.unwatch(s)
         if s in self._in_use:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
@@ -328,7 +283,6 @@ class TcpStreams:
         """Keeps ``socks`` open (their fd numbers ours) until :meth:`release`, which must
         come only after the native job given the returned fds has returned."""
         for s in socks:
-            self.unwatch(s)  # its bytes are the job's
             self._in_use[s] = self._in_use.get(s, 0) + 1
         return [s.fileno() for s in socks]
 
@@ -345,8 +299,6 @@ class TcpStreams:
                 self._retired.discard(s)
                 with contextlib.suppress(OSError):
                     s.close()
-            else:
-                self._watch(s)
 
     # ------------------------------------------------------------ connecting
 
@@ -406,9 +358,9 @@ class TcpStreams:
                 sock.close()
                 return
             await self._loop.sock_sendall(sock, ACK)
-            self._watch(sock)  # (a no-op unless it still is in place)
         except OSError:
-            self.unwatch(sock)
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # (a request stream's serving thread ends)
             sock.close()
 
     async def connect(self, direction: int, deadline: float | None) -> None:
@@ -458,9 +410,7 @@ class TcpStreams:
                 raise failure(
                     LLMStatusCode.LLM_LINK_FAILED, "the data streams were replaced meanwhile"
                 )
-            self._watch(sock)
         except BaseException:
-            self.unwatch(sock)
             sock.close()
             raise
 
