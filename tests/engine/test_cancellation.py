@@ -113,7 +113,10 @@ async def test_cancelled_call_holds_the_link_until_its_job_returns(pair: Pair) -
         await first
     assert loop.time() - start < BOUND_S
     assert first.cancelled()
-    assert channel.jobs_returned == 1
+    # Its job returned (the queued pull, which got the link as it let go, may have run
+    # and returned its own job by now too: on a loaded machine the loop thread can lose
+    # its CPU between the two tasks' steps).
+    assert channel.jobs_returned >= 1
     await asyncio.wait_for(queued, 10)
     assert tracker.entered() == ["pull:first", "pull:queued"]
     assert _pulled(src, dst, [2], [5])
