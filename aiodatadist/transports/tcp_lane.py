@@ -1,10 +1,11 @@
-"""``tcp`` tiny pulls: one asked on a data stream (:class:`StreamPull`), and tcp's fast lane.
+"""``tcp`` tiny pulls: one asked on the request stream (:class:`StreamPull`), and tcp's fast lane.
 
 A pull of at most ``LOOP_MAX_BYTES`` (and ``MAX_STREAM_SEGMENTS`` segments) is asked on
-the first data stream of the requester's direction and answered on it
+the request stream of the requester's direction (``tcp_streams.REQUEST_STREAM``) and
+answered on it by the peer's native serving thread
 (:mod:`~aiodatadist.transports.tcp_requests`): one round trip, no control message, no
 DONE. :class:`StreamPull` is that exchange, in two halves: :meth:`StreamPull.begin`
-sends the request and waits up to ``spin_us`` for the answer on the calling thread
+sends the request and polls up to ``spin_us`` for the answer on the calling thread
 (GIL released), :meth:`StreamPull.finish` awaits the rest on the loop. The whole path
 (``tcp.TcpPath._stream_pull``) uses both; so does :class:`TcpLane`, tcp's fast lane
 (:mod:`aiodatadist._lanes`): a repeated small pull between the same two caches skips
@@ -65,9 +66,10 @@ __all__ = [
 ]
 
 STREAM_SPIN_US = 100
-"""How long a tiny pull waits for its answer on the loop's thread (in ``ppoll``, GIL
-released, never past its deadline) before the loop waits for it: an answer that comes
-within it costs no loop round trip (0: the loop waits from the start)."""
+"""How long a tiny pull polls for its answer on the loop's thread (non-blocking steps,
+yielding the CPU between them, GIL released, never past its deadline) before the loop
+waits for it: an answer that comes within it costs no loop round trip and no wakeup
+(0: the loop waits from the start)."""
 
 # Stream requests' tags: apart from the control requests' ids (both name transfers in
 # CANCEL and in the serving side's bookkeeping).
@@ -126,7 +128,7 @@ def landing_in(local: CacheEntry) -> tuple[tuple[int, int, int], list[int]]:
 
 
 class StreamPull:
-    """One tiny pull asked on ``sock`` (the first stream of the requester's direction, of
+    """One tiny pull asked on ``sock`` (the request stream of the requester's direction, of
     ``epoch``), answered on it. :meth:`begin`, then :meth:`finish` unless it ended."""
 
     __slots__ = ("_clean", "_epoch", "_path", "_rest", "_sock", "_tag", "step")
@@ -242,10 +244,11 @@ class StreamPull:
 class TcpLane(Lane):
     """tcp's fast lane between one remote and one local cache (see the module docstring).
 
-    A pull it takes is asked at once on the first stream of our direction; ``pull``
+    A pull it takes is asked at once on the request stream of our direction; ``pull``
     returns the bytes landed when the answer came within the spin, else an awaitable of
     them. 0 (or an awaitable of 0): not taken, nothing landed (no stream up, a plan the
-    whole path must judge, a refusal: the whole path asks again and says why).
+    whole path must judge, a stale refusal: the peer's table is fetched again first). The
+    peer's other refusals are raised as the whole path raises them.
     """
 
     kind = DataPath.TCP
