@@ -2,6 +2,7 @@
 #include "serve.hpp"
 
 #include <poll.h>
+#include <pthread.h>
 #include <sched.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -169,6 +170,7 @@ void StreamServer::stop() {
 }
 
 void StreamServer::run() {
+  pthread_setname_np(pthread_self(), "aiodd-serve");  // (what /proc/PID/task/*/comm shows)
   for (;;) {
     int fd;
     {
