@@ -29,6 +29,7 @@ import pytest
 from aiodatadist import BlocksCacheKey, DataPath, LLMException
 from aiodatadist import LLMStatusCode as S
 from aiodatadist.testing import engine_unavailable
+from tests._procs import stop_now
 from tests.xproc import xproc_common as xc
 from tests.xproc.xproc_harness import (
     Harness,
@@ -80,9 +81,7 @@ async def linked(
     h: Harness, e: Engine, path: str | None = None, *, control_lease: bool = False, **kw: Any
 ) -> tuple[Any, dict[str, xc.Local], PeerProc]:
     path = path or e.name
-    prompt = await h.peer(
-        cluster_id=e.prompt, data_path=path, seed=e.seed, options=e.options, **kw
-    )
+    prompt = await h.peer(cluster_id=e.prompt, data_path=path, seed=e.seed, options=e.options, **kw)
     dd, local = await h.local(
         e.decoder, decoder_options(path, **e.options), big_mib=int(kw.get("big_mib", 0))
     )
@@ -249,7 +248,7 @@ async def test_timeout_and_cancel_leave_the_link_usable(engine: Engine, how: str
         dd, local, prompt = await linked(h, e, control_lease=True)
         await pull_and_check(dd, local["reg"], e.prompt, e.seed, "reg", [0], [0])
         loop = asyncio.get_running_loop()
-        prompt.kill(signal.SIGSTOP)
+        stop_now(prompt.pid)  # (every thread stopped: its serving thread answers fast)
         try:
             t0 = loop.time()
             pull = asyncio.ensure_future(

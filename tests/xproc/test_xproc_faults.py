@@ -19,6 +19,7 @@ from aiodatadist import (
     TransferWithCacheKeyConfig,
 )
 from aiodatadist.testing import cluster_info
+from tests._procs import stop_now
 from tests.xproc import xproc_common as xc
 from tests.xproc.xproc_harness import (
     Harness,
@@ -135,7 +136,7 @@ async def test_unlink_while_pulls_are_queued(path: str) -> None:
                 await release.wait()
 
         if path == "tcp":
-            prompt.kill(signal.SIGSTOP)
+            stop_now(prompt.pid)  # (every thread stopped: its serving thread answers fast)
             busy = asyncio.ensure_future(cm.pull_blocks(key, dst.cache, [7], [7], timeout=15))
         else:
             busy = asyncio.ensure_future(hold())
