@@ -224,7 +224,7 @@ void StreamServer::serve_stream(int fd) {
         end = arrived + cap_ns_;
       }
       have += static_cast<size_t>(n);
-      if (have >= 8 && std::memcmp(buf.data(), kRequestMagic, 8) != 0) {
+      if (std::memcmp(buf.data(), kRequestMagic, have < 8 ? have : 8) != 0) {
         shutdown(fd, SHUT_RDWR);  // not a request: out of step
         return;
       }
