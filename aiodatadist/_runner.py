@@ -20,6 +20,7 @@ go only once no byte moves any more; then ``LLMTimeoutError`` or ``CancelledErro
 
 from __future__ import annotations
 
+import asyncio
 from time import perf_counter
 from typing import TYPE_CHECKING
 
@@ -34,7 +35,7 @@ from ._plan import (
     local_copy_plan,
     plan,
 )
-from .errors import LLMException, LLMStatusCode, current_api
+from .errors import LLMException, LLMStatusCode, current_api, failure
 from .metrics import _core as _metrics
 
 if TYPE_CHECKING:
@@ -64,7 +65,8 @@ async def run(rt: Runtime, link: Link, request: Request, cut: LayerCut | None = 
         LLMCacheNotFoundError: the peer has no such cache (after one refresh), or one
             of the caches was freed meanwhile.
         LLMParamError: the request does not fit the peer's cache.
-        LLMTimeoutError: the deadline passed (waiting for the slot included); the job
+        LLMTimeoutError: the deadline passed (waiting for the slot, or for the refresh of
+            the peer's table after a miss, included); the job
             was aborted and has returned, the link stays usable.
         LLMLinkError: the link was closed while the call waited for it.
         asyncio.CancelledError: cancelled; raised once the native job has returned.
@@ -88,7 +90,20 @@ async def run(rt: Runtime, link: Link, request: Request, cut: LayerCut | None = 
             if not await link.path.refresh(deadline):
                 raise
             version = link.path.remote_table.version
-            remote, moves = plan(request, link.path.remote_table)
+            try:
+                remote, moves = plan(request, link.path.remote_table)
+            except LLMException as again:
+                if (
+                    again.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+                    and asyncio.get_running_loop().time() >= deadline
+                ):
+                    # The refresh ran out of time: the key may just not have reached us.
+                    raise failure(
+                        LLMStatusCode.LLM_TIMEOUT,
+                        "deadline passed while fetching the peer's cache table (the key "
+                        "is not in the table this side has)",
+                    ) from again
+                raise
         async with link.exclusive(deadline):
             if link.path.remote_table.version != version:  # the peer re-registered meanwhile
                 remote, moves = plan(request, link.path.remote_table)
