@@ -73,6 +73,8 @@ class TcpServing:
         executor: the instance's serving executor.
         cap_s: ``ServeTimeout`` in seconds: the most any request (and its reply) may take.
         require_ready: raises once the instance was finalized.
+        book: what the native serving thread of the peer's request stream may read (the
+            instance's ``_leases.LeaseBook.serve``).
     """
 
     def __init__(
@@ -84,7 +86,7 @@ class TcpServing:
         executor: TransferExecutor,
         cap_s: float,
         require_ready: Callable[[], None],
-        book: _native.ServeBook | None = None,
+        book: _native.ServeBook,
     ) -> None:
         self._link = link
         self._streams = streams
@@ -108,8 +110,7 @@ class TcpServing:
         # may read, the instance's lease book's).
         self._book = book
         self._native: _native.StreamServer | None = None
-        if book is not None:
-            streams.serve_requests(self._request_stream)
+        streams.serve_requests(self._request_stream)
 
     @property
     def stats(self) -> ServeStats:
@@ -123,15 +124,10 @@ class TcpServing:
             failed=self._stats.failed + srv.failed,
         )
 
-    @property
-    def native_busy(self) -> bool:
-        """The native serving thread is answering a request now (for tests)."""
-        return self._native is not None and self._native.busy
-
     def _request_stream(self, sock: socket.socket) -> None:
         """The peer's request stream attached: its native serving thread serves it (on a
         dup of its fd; the one before it is shut down)."""
-        if self._link.closed.is_set() or self._book is None:
+        if self._link.closed.is_set():
             return
         if self._native is None:
             self._native = _native.StreamServer(
