@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["dead_now", "proc_fields", "session_alive", "stop_now"]
+__all__ = ["dead_now", "named_threads", "proc_fields", "session_alive", "stop_now"]
 
 
 def proc_fields(pid: int | str) -> list[str] | None:
@@ -66,3 +66,16 @@ def stop_now(pid: int, timeout: float = 5.0) -> None:
             return
         time.sleep(0.0005)
     raise AssertionError(f"pid {pid} did not stop")
+
+
+def named_threads(name: str) -> int:
+    """This process's threads named ``name`` (``/proc/self/task/*/comm``): native threads
+    too, which ``threading`` never sees."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                n += f.read().strip() == name
+        except OSError:  # (a thread that just ended)
+            pass
+    return n

@@ -92,8 +92,8 @@ class TcpPath(Path):
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
     ) -> None:
         if plan.total_bytes <= LOOP_MAX_BYTES and plan.num_segments <= MAX_STREAM_SEGMENTS:
-            await self._stream_pull(plan, remote, local, call)
-            return
+            if await self._stream_pull(plan, remote, local, call):
+                return
         dst = local.addrs
         await self._transfer(
             _wire.MsgType.PULL,
@@ -163,9 +163,11 @@ class TcpPath(Path):
 
     async def _stream_pull(
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
-    ) -> None:
-        """A tiny pull, asked and answered on the first data stream (see ``tcp_requests``):
-        one round trip, no control message, moved by the loop on this task.
+    ) -> bool:
+        """A tiny pull, asked and answered on the request stream (see ``tcp_requests``):
+        one round trip, no control message, moved by the loop on this task. False: the
+        peer's set of streams came without a request stream (nothing was asked; the
+        caller asks on the control connection).
 
         Raises:
             LLMTimeoutError: ``call.deadline`` passed.
@@ -190,17 +192,8 @@ class TcpPath(Path):
         if sock is None:
             await self._connect(direction, deadline)
             sock = streams.request_stream(direction)
-            if sock is None:  # (the peer's set came without one)
-                await self._transfer(
-                    _wire.MsgType.PULL,
-                    plan,
-                    remote,
-                    call,
-                    {"dst_geometry": [local.num_tensors, local.num_blocks, local.block_bytes]},
-                    None,
-                    lambda fd, req: _native.SockStep(fd, plan, local.addrs, False, tag=req),
-                )
-                return
+            if sock is None:  # (the peer's set came without one: the control plane asks)
+                return False
         ask = StreamPull(self, sock, streams.epoch[direction])
         spin = STREAM_SPIN_US * self._spin
         if not ask.begin(plan, asked_of(remote), landing_in(local), deadline, loop.time(), spin):
@@ -208,6 +201,7 @@ class TcpPath(Path):
         if ask.refused:
             assert ask.step is not None
             raise peer_failure(decode_refusal(ask.step.refusal))
+        return True
 
     def lane(self, remote: CacheEntry, local: CacheEntry) -> Lane | None:
         # Host memory only (what the serving side refuses must take the whole path).

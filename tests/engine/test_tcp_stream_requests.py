@@ -14,7 +14,6 @@ all: ``tests/xproc/test_xproc_tcp_stream_requests.py``, with a stopped prompt pr
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,6 +25,7 @@ import pytest_asyncio
 from aiodatadist import LLMException, LLMStatusCode, _native
 from aiodatadist.testing import Pair, inproc_pair, make_blocks_cache, pattern_mismatches
 from aiodatadist.transports.tcp_streams import LOOP_MAX_BYTES
+from tests._procs import named_threads
 from tests.engine._util import wait_until
 
 pytestmark = pytest.mark.asyncio
@@ -187,15 +187,7 @@ async def test_an_answer_too_big_for_the_socket_goes_out_in_parts(tcp_pair: Pair
 
 
 def _serving_threads() -> int:
-    """This process's native serving threads (named ``aiodd-serve``), from ``/proc``."""
-    n = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                n += f.read().strip() == "aiodd-serve"
-        except OSError:  # (a thread that just ended)
-            pass
-    return n
+    return named_threads("aiodd-serve")
 
 
 async def test_the_serving_thread_ends_with_the_link() -> None:

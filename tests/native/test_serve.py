@@ -21,6 +21,7 @@ import pytest
 from aiodatadist import _native as n
 from aiodatadist.errors import NATIVE_STATUS_TABLE, LLMStatusCode
 from aiodatadist.transports.tcp_requests import encode_request
+from tests._procs import named_threads
 from tests.native._helpers import bases, pattern
 
 NT, NB, BB = 2, 8, 4096  # 2 tensors x 8 blocks x 4 KiB
@@ -118,11 +119,4 @@ def test_junk_shuts_the_stream_down_and_stop_joins(served: Any) -> None:
 
 
 def _serving_threads() -> int:
-    n_threads = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                n_threads += f.read().strip() == "aiodd-serve"
-        except OSError:  # (a thread that just ended)
-            pass
-    return n_threads
+    return named_threads("aiodd-serve")
