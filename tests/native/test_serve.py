@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -98,6 +99,10 @@ def test_requests_are_answered_from_the_book_or_refused(served: Any) -> None:
     n.lease_publish(book.slot_addr(3), 11)
     _ask(sock, 6, 7, None, [(1, 7 * BB, 0, 0, BB)])  # still in step: served
     assert _answer(sock, 6) == (flat[1, 7 * BB :].tobytes(), None)
+    # (an answer is counted once its last byte is sent: maybe just after we have it all)
+    end = time.monotonic() + TIMEOUT_S
+    while server.served < 2 and time.monotonic() < end:
+        time.sleep(0.001)
     assert (server.served, server.failed) == (2, 4)
     book.remove(7)
     assert 7 not in book and len(book) == 0
