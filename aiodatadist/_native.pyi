@@ -229,6 +229,10 @@ class SockStep:
     def step_for(self, timeout_us: int) -> bool:
         """``step()``, then waits for readiness (GIL released) and steps again, for at most
         ``timeout_us`` in all; True once done."""
+    def run(self, control: Control) -> None:
+        """``step()`` until done, waiting (GIL released) for readiness or ``control``'s
+        abort between steps (a worker thread's run of the whole exchange); raises
+        ``NativeError(ABORTED)`` once aborted (the stream is then out of step)."""
     @property
     def refused(self) -> bool:
         """The stream carried the sender's refusal of this transfer (nothing was written)."""

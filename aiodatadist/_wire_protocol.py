@@ -35,11 +35,13 @@ __all__ = [
     "WireError",
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Wire protocol version: the header byte and ``HELLO.version``; peers must match.
 3: small tcp pulls are asked on a data stream (``transports/tcp_requests.py``), which a
 version-2 peer would never answer. 4: each direction has a request stream
-(``DATA_HELLO.stream`` ``MAX_STREAMS + direction``), which a version-3 peer refuses."""
+(``DATA_HELLO.stream`` ``MAX_STREAMS + direction``), which a version-3 peer refuses.
+5: a stream request moves up to 4 MiB (``tcp_requests.STREAM_MAX_BYTES``), which a
+version-4 peer refuses (its bound is 256 KiB)."""
 
 MAX_JSON = 16 * 1024 * 1024
 """Largest JSON body (``WELCOME`` and ``TABLE``, which carry the cache table)."""

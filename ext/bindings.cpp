@@ -220,6 +220,7 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("bytes_done", &SockStep::bytes_done)
       .def_property_readonly("total", &SockStep::total)
       .def("step_for", &SockStep::step_for, py::arg("timeout_us"), gil_release())
+      .def("run", &SockStep::run, py::arg("control"), gil_release())
       .def_property_readonly("refused", &SockStep::refused)
       .def_property_readonly("refusal", [](const SockStep& s) { return py::bytes(s.refusal()); });
   m.attr("SOCK_REFUSAL_MAGIC") = py::bytes(kRefusalMagic, sizeof kRefusalMagic);

@@ -210,6 +210,10 @@ class SockStep {
   // step(), then, while not finished, waits for readiness (ppoll, the caller releases
   // the GIL) and steps again, for at most timeout_us in all: true once finished.
   bool step_for(int64_t timeout_us);
+  // step() until finished, waiting (poll, the caller releases the GIL) for readiness or
+  // ctl's abort between steps: a worker thread's blocking run of the whole exchange.
+  // Throws Status::ABORTED once ctl is aborted (the stream is then out of step).
+  void run(Control& ctl);
   // A receiver whose stream carried the sender's refusal of this transfer (a refusal
   // header with this tag, then its body) instead of the bytes: nothing was written.
   bool refused() const { return refused_; }

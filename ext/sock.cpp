@@ -385,6 +385,18 @@ bool SockStep::step_for(int64_t timeout_us) {
   }
 }
 
+void SockStep::run(Control& ctl) {
+  ctl.set_total(total_);
+  for (;;) {
+    ctl.check();
+    uint64_t before = done_;
+    bool finished_now = step();
+    if (done_ > before) ctl.add_done(done_ - before);
+    if (finished_now) return;
+    wait_ready(fd_, send_ ? POLLOUT : POLLIN, ctl);
+  }
+}
+
 std::array<uint8_t, kStreamHeaderBytes> stream_header(uint64_t tag, uint64_t nbytes) {
   std::array<uint8_t, kStreamHeaderBytes> h{};
   std::memcpy(h.data(), kStreamMagic, sizeof kStreamMagic);

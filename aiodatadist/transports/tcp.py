@@ -11,9 +11,10 @@ request names the epoch of the streams it uses. A transfer that does not end
 cleanly retires those streams (the client connects a new epoch before the next
 one) and sends CANCEL, so the serving side drops or aborts it too.
 
-A tiny pull (at most ``LOOP_MAX_BYTES``) skips the control connection: it is asked on
-the first data stream and answered on it (``tcp_requests``), moved by the loop on the
-calling task: one round trip, no thread, no DONE.
+A small pull (at most ``STREAM_MAX_BYTES``) skips the control connection: it is asked on
+the request stream and answered on it by the peer's native serving thread
+(``tcp_requests``): one round trip, no DONE. A tiny one (at most ``LOOP_MAX_BYTES``) is
+taken by the loop on the calling task, a bigger one on a worker thread.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from .tcp_lane import (
     peer_failure,
     usable_deadline,
 )
-from .tcp_requests import MAX_STREAM_SEGMENTS, decode_refusal
+from .tcp_requests import MAX_STREAM_SEGMENTS, STREAM_MAX_BYTES, decode_refusal
 from .tcp_streams import LOOP_MAX_BYTES, LoopMove
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ class TcpPath(Path):
     async def pull(
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
     ) -> None:
-        if plan.total_bytes <= LOOP_MAX_BYTES and plan.num_segments <= MAX_STREAM_SEGMENTS:
+        if plan.total_bytes <= STREAM_MAX_BYTES and plan.num_segments <= MAX_STREAM_SEGMENTS:
             if await self._stream_pull(plan, remote, local, call):
                 return
         dst = local.addrs
@@ -164,10 +165,11 @@ class TcpPath(Path):
     async def _stream_pull(
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
     ) -> bool:
-        """A tiny pull, asked and answered on the request stream (see ``tcp_requests``):
-        one round trip, no control message, moved by the loop on this task. False: the
-        peer's set of streams came without a request stream (nothing was asked; the
-        caller asks on the control connection).
+        """A small pull, asked and answered on the request stream (see ``tcp_requests``):
+        one round trip, no control message; a tiny one (at most ``LOOP_MAX_BYTES``) moved
+        by the loop on this task, a bigger one by a worker thread (the loop copies no
+        megabytes). False: the peer's set of streams came without a request stream
+        (nothing was asked; the caller asks on the control connection).
 
         Raises:
             LLMTimeoutError: ``call.deadline`` passed.
@@ -195,9 +197,13 @@ class TcpPath(Path):
             if sock is None:  # (the peer's set came without one: the control plane asks)
                 return False
         ask = StreamPull(self, sock, streams.epoch[direction])
-        spin = STREAM_SPIN_US * self._spin
+        tiny = plan.total_bytes <= LOOP_MAX_BYTES
+        spin = STREAM_SPIN_US * self._spin if tiny else None
         if not ask.begin(plan, asked_of(remote), landing_in(local), deadline, loop.time(), spin):
-            await ask.finish(deadline)
+            if tiny:
+                await ask.finish(deadline)
+            else:
+                await ask.receive(call)
         if ask.refused:
             assert ask.step is not None
             raise peer_failure(decode_refusal(ask.step.refusal))

@@ -1,13 +1,15 @@
-"""``tcp`` tiny pulls: one asked on the request stream (:class:`StreamPull`), and tcp's fast lane.
+"""``tcp`` small pulls: one asked on the request stream (:class:`StreamPull`), and tcp's fast lane.
 
-A pull of at most ``LOOP_MAX_BYTES`` (and ``MAX_STREAM_SEGMENTS`` segments) is asked on
+A pull of at most ``STREAM_MAX_BYTES`` (and ``MAX_STREAM_SEGMENTS`` segments) is asked on
 the request stream of the requester's direction (``tcp_streams.REQUEST_STREAM``) and
 answered on it by the peer's native serving thread
 (:mod:`~aiodatadist.transports.tcp_requests`): one round trip, no control message, no
 DONE. :class:`StreamPull` is that exchange, in two halves: :meth:`StreamPull.begin`
 sends the request and polls up to ``spin_us`` for the answer on the calling thread
-(GIL released), :meth:`StreamPull.finish` awaits the rest on the loop. The whole path
-(``tcp.TcpPath._stream_pull``) uses both; so does :class:`TcpLane`, tcp's fast lane
+(GIL released); then a tiny one (at most ``LOOP_MAX_BYTES``) awaits the rest on the loop
+(:meth:`StreamPull.finish`), a bigger one takes it on a worker thread of the instance's
+executor (:meth:`StreamPull.receive`: the loop copies no megabytes). The whole path
+(``tcp.TcpPath._stream_pull``) uses them; so does :class:`TcpLane`, tcp's fast lane
 (:mod:`aiodatadist._lanes`): a repeated small pull between the same two caches skips
 the runner (plan, slot, holds) and asks at once; an answer that is not back within the
 spin makes the lane's pull an awaitable, which takes the link's slot (free: the lane
@@ -38,6 +40,7 @@ from .tcp_streams import LOOP_MAX_BYTES, LoopMove
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry
+    from .base import Call
     from .peer import ControlLink
     from .tcp_streams import TcpStreams
 
@@ -128,7 +131,7 @@ def landing_in(local: CacheEntry) -> tuple[tuple[int, int, int], list[int]]:
 
 
 class StreamPull:
-    """One tiny pull asked on ``sock`` (the request stream of the requester's direction, of
+    """One small pull asked on ``sock`` (the request stream of the requester's direction, of
     ``epoch``), answered on it. :meth:`begin`, then :meth:`finish` unless it ended."""
 
     __slots__ = ("_clean", "_epoch", "_path", "_rest", "_sock", "_tag", "step")
@@ -154,12 +157,15 @@ class StreamPull:
         local: tuple[tuple[int, int, int], list[int]],
         deadline: float | None,
         now: float,
-        spin_us: int,
+        spin_us: int | None,
     ) -> bool:
         """Sends the request and takes what of the answer comes within ``spin_us`` (never
         past ``deadline``); True once the exchange ended (the bytes landed, or a refusal).
         ``remote``: the peer's cache id and lease generation (:func:`asked_of`); ``local``:
-        our cache's geometry and tensor addresses (:func:`landing_in`).
+        our cache's geometry and tensor addresses (:func:`landing_in`). ``spin_us`` None:
+        sends the request only, takes nothing (a worker thread takes the answer:
+        :meth:`receive`; a step here would copy on the loop thread for as long as the
+        peer keeps sending).
 
         Raises:
             LLMException: the stream failed (it is retired; CANCEL is sent).
@@ -183,6 +189,8 @@ class StreamPull:
                 raise self._path.broken(e) from e
             if sent < len(frame):  # (its buffer is full: the peer does not read)
                 self._rest = memoryview(frame)[sent:]
+                return False
+            if spin_us is None:
                 return False
             if deadline is not None:
                 spin_us = min(spin_us, int((deadline - now) * 1e6))
@@ -208,23 +216,48 @@ class StreamPull:
         step = self.step
         assert step is not None and self._clean is None
         try:
-            if self._rest is not None:
-                loop = asyncio.get_running_loop()
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        await loop.sock_sendall(self._sock, self._rest)
-                except TimeoutError:
-                    raise failure(
-                        LLMStatusCode.LLM_TIMEOUT,
-                        "deadline passed while sending the request (the peer is not reading)",
-                    ) from None
-                except OSError as e:
-                    raise self._path.broken(e) from e
+            await self._send_rest(deadline)
             await LoopMove(lambda: step).run(deadline)
         except BaseException:
             self.end(False)
             raise
         self.end(True)
+
+    async def receive(self, call: Call) -> None:
+        """:meth:`finish` for a bigger answer: taken on a worker thread of ``call``'s
+        executor (``SockStep.run``, GIL released), under ``call``'s deadline.
+
+        Raises:
+            LLMTimeoutError: the deadline passed; the job has returned (nothing moves).
+            LLMException: the stream failed, or the link closed.
+            asyncio.CancelledError: cancelled, once the job has returned.
+        """
+        step = self.step
+        assert step is not None and self._clean is None
+        try:
+            await self._send_rest(call.deadline)
+            await call.run(step.run)
+        except BaseException:
+            self.end(False)
+            raise
+        self.end(True)
+
+    async def _send_rest(self, deadline: float | None) -> None:
+        """The rest of a request the socket did not take at once (:meth:`begin`)."""
+        if self._rest is None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout_at(usable_deadline(deadline, loop.time())):
+                await loop.sock_sendall(self._sock, self._rest)
+        except TimeoutError:
+            raise failure(
+                LLMStatusCode.LLM_TIMEOUT,
+                "deadline passed while sending the request (the peer is not reading)",
+            ) from None
+        except OSError as e:
+            raise self._path.broken(e) from e
+        self._rest = None
 
     def end(self, clean: bool) -> None:
         """Lets go of the stream; not ``clean``: its position is unknown, so it is retired

@@ -1,11 +1,12 @@
-"""``tcp`` stream requests: the format of a tiny pull asked and answered on one stream.
+"""``tcp`` stream requests: the format of a small pull asked and answered on one stream.
 
-A pull of at most ``LOOP_MAX_BYTES`` (and ``MAX_STREAM_SEGMENTS`` segments) is asked on
+A pull of at most ``STREAM_MAX_BYTES`` (and ``MAX_STREAM_SEGMENTS`` segments) is asked on
 the request stream of the requester's direction (``tcp_streams.REQUEST_STREAM``), which
 carries its bytes back: one round trip, no control message, no DONE. The requester
-(``tcp_lane.StreamPull``) sends the request and takes the answer with ``SockStep``; the
-serving side's native thread (``ext/serve.cpp``, started by ``tcp_serve.TcpServing``)
-reads each request, checks it against the instance's serve book and answers it.
+(``tcp_lane.StreamPull``) sends the request and takes the answer with ``SockStep``: on
+the loop thread up to ``LOOP_MAX_BYTES``, on a worker thread above it. The serving
+side's native thread (``ext/serve.cpp``, started by ``tcp_serve.TcpServing``) reads each
+request, checks it against the instance's serve book and answers it.
 
 Only the answer's stream header (or refusal) with the request's tag is taken: the
 bytes of an abandoned pull (its stream retired) can never land in a later one.
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_STREAM_SEGMENTS",
+    "STREAM_MAX_BYTES",
     "REQUEST_MAGIC",
     "ServeStats",
     "StreamRequest",
@@ -38,7 +40,7 @@ __all__ = [
 
 log = logging.getLogger("aiodatadist.transports.tcp")
 
-# A tiny pull (at most LOOP_MAX_BYTES, at most MAX_STREAM_SEGMENTS segments) asks on the
+# A small pull (at most STREAM_MAX_BYTES, at most MAX_STREAM_SEGMENTS segments) asks on the
 # data stream itself, the one that carries its bytes back: one round trip, no control
 # message. The request is a fixed little-endian header and the segments table:
 #   magic "aioddRQ1", tag u64, cache_id u64, gen u64, dst geometry 3 x u64
@@ -53,6 +55,11 @@ _REQUEST = struct.Struct("<8sQQQQQQIII")
 _HAS_GEN = 1
 MAX_STREAM_SEGMENTS = 1024
 """The most segments a stream request may carry (more: the control-plane request)."""
+STREAM_MAX_BYTES = 4 * 1024 * 1024
+"""The most bytes a stream request may move (more: the control-plane request, over the
+link's data streams in parallel). Below it the control plane's fixed cost (a PULL on the
+control connection, the peer's loop and serving executor, a DONE back: ~0.5 ms on the
+2-core dev VM) outweighs what parallel streams gain (docs/performance.md)."""
 MAX_REQUEST_BYTES = _REQUEST.size + MAX_STREAM_SEGMENTS * _wire.SEGMENT_ROW_BYTES
 _REFUSAL = struct.Struct("<8sQQ")
 _U64 = 2**64 - 1

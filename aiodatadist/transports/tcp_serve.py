@@ -13,7 +13,7 @@ failed DONE, touching no stream, when that epoch was retired. A CANCEL {req, epo
 drops the request if queued, aborts it if running, and retires the streams of that
 epoch and older.
 
-Stream requests (tiny pulls, ``tcp_requests``) arrive on the request stream of the
+Stream requests (small pulls, ``tcp_requests``) arrive on the request stream of the
 peer's direction, which this side hands to a native serving thread of the link's own
 (``_native.StreamServer``, ``ext/serve.cpp``) as it attaches: no loop, no GIL, no task,
 no DONE. It checks each request against the instance's serve book (every registered
@@ -39,7 +39,7 @@ from .. import _native, _wire
 from .._caches import require_host_memory
 from .._leases import LeaseStale
 from ..errors import NATIVE_STATUS_TABLE, LLMException, LLMStatusCode, failure, from_native
-from .tcp_requests import ServeStats
+from .tcp_requests import STREAM_MAX_BYTES, ServeStats
 from .tcp_streams import LOOP_MAX_BYTES, LoopMove
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ class TcpServing:
             return
         if self._native is None:
             self._native = _native.StreamServer(
-                self._book, self._cap, LOOP_MAX_BYTES, _REFUSAL_CODES, _NOT_EXIST
+                self._book, self._cap, STREAM_MAX_BYTES, _REFUSAL_CODES, _NOT_EXIST
             )
         self._native.serve(os.dup(sock.fileno()))
 

@@ -13,7 +13,7 @@ shuts it down (the job's wait ends at once) and closes it only once the job has
 returned, so its fd number is never reused under the job.
 
 Each direction also has a *request stream* (``REQUEST_STREAM + direction``), connected
-with its set, before its data streams: the requester asks tiny pulls on it
+with its set, before its data streams: the requester asks small pulls on it
 (``tcp_requests``), and the serving side hands the peer's to its native serving thread
 as it attaches (:meth:`TcpStreams.serve_requests`).
 """
@@ -44,7 +44,7 @@ STREAM_SLOTS = 8
 either side's ``tcp_streams``, so peers configured differently still agree on it."""
 REQUEST_STREAM = 2 * STREAM_SLOTS  # (= _wire.MAX_STREAMS)
 """DATA_HELLO.stream = REQUEST_STREAM + direction: that direction's request stream, which
-carries only stream requests (tiny pulls, ``tcp_requests``) and their answers; its
+carries only stream requests (small pulls, ``tcp_requests``) and their answers; its
 serving end hands it to a native serving thread (``tcp_serve``)."""
 CONNECT_TIMEOUT = 10.0
 """How long a background reconnect of the peer-started streams may take."""

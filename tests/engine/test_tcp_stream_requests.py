@@ -1,10 +1,11 @@
-"""tcp stream requests in one process: a tiny pull is asked and answered on the request stream.
+"""tcp stream requests in one process: a small pull is asked and answered on the request stream.
 
 A real tcp link between two instances of this process (``inproc_pair(data_path="tcp")``):
 the prompt listens on loopback, the decoder links to it and pulls. A pull of at most
-``LOOP_MAX_BYTES`` sends no control message (no PULL, no DONE): it is asked on the
-decoder's request stream and answered there by the prompt's native serving thread; a
-bigger one is asked on the control connection. A stream carrying anything but the answer
+``STREAM_MAX_BYTES`` sends no control message (no PULL, no DONE): it is asked on the
+decoder's request stream and answered there by the prompt's native serving thread (the
+decoder's loop takes an answer of at most ``LOOP_MAX_BYTES``, a worker thread a bigger
+one); a bigger pull is asked on the control connection. A stream carrying anything but the answer
 to the pull waiting on it (a late answer of an earlier transfer, a foreign refusal) is
 refused before a byte lands, retired, and the next pull lands the right bytes on a new
 stream; a refusal of the pull itself leaves the stream in step (it is used again). Every
@@ -15,6 +16,7 @@ all: ``tests/xproc/test_xproc_tcp_stream_requests.py``, with a stopped prompt pr
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,8 +24,9 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from aiodatadist import LLMException, LLMStatusCode, _native
+from aiodatadist import BlocksCacheKey, LLMException, LLMStatusCode, _native
 from aiodatadist.testing import Pair, inproc_pair, make_blocks_cache, pattern_mismatches
+from aiodatadist.transports.tcp_requests import STREAM_MAX_BYTES
 from aiodatadist.transports.tcp_streams import LOOP_MAX_BYTES
 from tests._procs import named_threads
 from tests.engine._util import wait_until
@@ -88,29 +91,75 @@ def _seeded(pair: Pair, seed: int) -> Any:
     return pair.prompt_cache(num_blocks=NUM_BLOCKS, seed=seed, pattern=True)
 
 
-async def test_tiny_pulls_send_no_control_message_and_big_ones_do(tcp_pair: Pair) -> None:
+async def test_small_pulls_send_no_control_message_and_big_ones_do(
+    tcp_pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pair = tcp_pair
     _seeded(pair, SEED)
     dst = pair.decoder_cache(num_blocks=NUM_BLOCKS)
     mine, theirs = _peers(pair)
     sent = _spy_requests(mine)
+    takers = _spy_takers(monkeypatch)
     for i in range(12):  # a different source block into a different destination each time
         src, to = [i], [(i * 7 + 3) % NUM_BLOCKS]
         await _pull(pair, dst, src, to)
         assert not pattern_mismatches(dst.tensors, src, to, SEED, [(0, 0)])
-    assert sent == [], sent
+    assert sent == [] and takers == [], (sent, takers)  # (answers the loop took)
     await _served(theirs, 12)
-    # Over the limit: asked on the control connection (and answered with a DONE).
+    # Over the loop's limit (1 MiB): still asked on the request stream, and its answer is
+    # taken by a worker thread of the executor (the loop copies no megabytes).
     blocks = list(range(64))
-    assert len(blocks) * 4 * 4096 > LOOP_MAX_BYTES
-    await pair.decoder.cache_manager.pull_blocks(pair.key(), dst.cache, blocks, blocks)
-    assert not pattern_mismatches(dst.tensors, blocks, blocks, SEED)
-    assert len(sent) == 1, sent
+    assert LOOP_MAX_BYTES < len(blocks) * 4 * 4096 <= STREAM_MAX_BYTES
+    await pair.decoder.cache_manager.pull_blocks(pair.key(), dst.cache, blocks, blocks[::-1])
+    assert not pattern_mismatches(dst.tensors, blocks, blocks[::-1], SEED)
+    assert sent == [], sent
+    assert len(takers) == 1 and takers[0].startswith("aiodatadist-"), takers
+    await _served(theirs, 13)
+    # Over the stream requests' limit: asked on the control connection (and answered with
+    # a DONE). 80 blocks of 16 KiB x 4 tensors: 5 MiB.
+    make_blocks_cache(
+        pair.prompt, num_blocks=80, block_shape=(8192,), model_id=1, seed=SEED + 9, pattern=True
+    )
+    big = make_blocks_cache(pair.decoder, num_blocks=80, block_shape=(8192,))
+    key = BlocksCacheKey(pair.prompt.cluster_id, 1)
+    blocks = list(range(80))
+    assert len(blocks) * 4 * 16384 > STREAM_MAX_BYTES
+    await pair.decoder.cache_manager.pull_blocks(key, big.cache, blocks, blocks[::-1])
+    assert not pattern_mismatches(big.tensors, blocks, blocks[::-1], SEED + 9)
+    assert len(sent) == 1 and len(takers) == 1, (sent, takers)
+    await _served(theirs, 14)  # (the control-plane request counted too)
 
 
+def _spy_takers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records the thread of every answer taken by ``SockStep.run`` (a worker's)."""
+    names: list[str] = []
+    real = _native.SockStep.run
+
+    def run(self: _native.SockStep, control: _native.Control) -> None:
+        names.append(threading.current_thread().name)
+        real(self, control)
+
+    monkeypatch.setattr(_native.SockStep, "run", run)
+    return names
+
+
+# A pull of one block of one tensor (4 KiB: the loop takes the answer) or of 24 blocks of
+# all 4 tensors (384 KiB: a worker thread takes it).
+SIZES = {"tiny": (1, 1), "small": (24, 4)}
+
+
+def _sized(size: str, first: int, to: int) -> tuple[list[int], list[int], dict[str, Any]]:
+    """(source blocks from ``first``, destination blocks from ``to``, the pull's keywords)."""
+    n, tensors = SIZES[size]
+    kw: dict[str, Any] = {"src_layer_range": range(0, 1), "dst_layer_range": range(0, 1)}
+    kw["tensor_num_per_layer"] = tensors
+    return list(range(first, first + n)), list(range(to, to + n)), kw
+
+
+@pytest.mark.parametrize("size", sorted(SIZES))
 @pytest.mark.parametrize("junk", ["late answer", "foreign refusal", "not a header"])
 async def test_a_stream_carrying_anything_else_is_refused_and_replaced(
-    tcp_pair: Pair, junk: str
+    tcp_pair: Pair, junk: str, size: str
 ) -> None:
     pair = tcp_pair
     _seeded(pair, SEED + 1)
@@ -131,18 +180,23 @@ async def test_a_stream_carrying_anything_else_is_refused_and_replaced(
     }[junk]
     stream.send(stray)  # the prompt's end writes it before the answer to the next pull
     before = [t.view(np.uint8).copy() for t in dst.tensors]
+    cm = pair.decoder.cache_manager
+    src, to, kw = _sized(size, 5, 40)
     with pytest.raises(LLMException) as info:
-        await _pull(pair, dst, [5], [6], timeout=BOUND_S)
+        await cm.pull_blocks(pair.key(), dst.cache, src, to, timeout=BOUND_S, **kw)
     assert info.value.status_code != LLMStatusCode.LLM_SUCCESS
     for t, b in zip(dst.tensors, before, strict=True):
         assert np.array_equal(t.view(np.uint8), b)  # not a byte landed
     # The stream was retired; the next pull runs on a new one and lands its own bytes.
-    await _pull(pair, dst, [7], [6])
-    assert not pattern_mismatches(dst.tensors, [7], [6], SEED + 1, [(0, 0)])
+    src, to, kw = _sized(size, 33, 40)
+    await cm.pull_blocks(pair.key(), dst.cache, src, to, **kw)
+    tensors = [(t, t) for t in range(kw["tensor_num_per_layer"])]
+    assert not pattern_mismatches(dst.tensors, src, to, SEED + 1, tensors)
     assert mine.streams.epoch[0] > epoch
 
 
-async def test_a_refusal_leaves_the_stream_in_step(tcp_pair: Pair) -> None:
+@pytest.mark.parametrize("size", sorted(SIZES))
+async def test_a_refusal_leaves_the_stream_in_step(tcp_pair: Pair, size: str) -> None:
     """The prompt refuses a pull of a cache it just unregistered (the decoder's table is
     older): the decoder fails with the prompt's reason, and the same stream serves the
     next pull."""
@@ -153,13 +207,17 @@ async def test_a_refusal_leaves_the_stream_in_step(tcp_pair: Pair) -> None:
     await _pull(pair, dst, [1], [2])
     epoch, failed = mine.streams.epoch[0], theirs.serving.stats.failed
     pair.prompt.cache_manager.unregister_cache(first.cache.cache_id)
+    cm = pair.decoder.cache_manager
+    src, to, kw = _sized(size, 3, 4)
     with pytest.raises(LLMException) as info:
-        await _pull(pair, dst, [3], [4], timeout=BOUND_S)
+        await cm.pull_blocks(pair.key(), dst.cache, src, to, timeout=BOUND_S, **kw)
     assert info.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, info.value
     assert theirs.serving.stats.failed == failed + 1  # refused on the stream
     make_blocks_cache(pair.prompt, num_blocks=NUM_BLOCKS, model_id=0, seed=SEED + 3, pattern=True)
-    await pair.decoder.cache_manager.pull_blocks(pair.key(), dst.cache, [9], [4])
-    assert not pattern_mismatches(dst.tensors, [9], [4], SEED + 3)
+    src, to, kw = _sized(size, 9, 4)
+    await cm.pull_blocks(pair.key(), dst.cache, src, to, **kw)
+    tensors = [(t, t) for t in range(kw["tensor_num_per_layer"])]
+    assert not pattern_mismatches(dst.tensors, src, to, SEED + 3, tensors)
     assert mine.streams.epoch[0] == epoch  # the same stream all along
 
 

@@ -3,7 +3,9 @@
 The loop-driven tcp path (``transports.tcp_streams.LoopMove``) moves tiny transfers
 with it on both sides. It must speak exactly the stream format of ``sock_send`` /
 ``sock_recv`` (either end may be the threaded mover), check the header before a payload
-byte lands, never wait, and fail like the threaded movers.
+byte lands, never wait, and fail like the threaded movers. ``run`` (a worker thread
+taking a stream request's bigger answer) waits between steps, and ends at its control's
+abort.
 """
 
 from __future__ import annotations
@@ -236,6 +238,46 @@ def test_step_for_waits_at_most_its_bound_then_takes_what_comes() -> None:
         assert rx.step_for(10_000_000)  # returns as soon as every byte is in
         sender.join()
     assert np.array_equal(dst, want), differing(dst, want)
+
+
+def test_run_waits_for_every_byte_and_counts_them() -> None:
+    """``run`` (a worker thread's whole exchange): sleeps until the bytes come, in parts
+    through small buffers, and reports them to its control."""
+    src, dst, plan, want = case(14)
+    with pair(buf=4096) as (a, b):
+        rx = n.SockStep(b.fileno(), plan, bases(dst), False, tag=TAG)
+        ctl = n.Control()
+        receiver = Background(rx.run, ctl)
+        time.sleep(0.05)  # (nothing sent yet: it waits)
+        assert receiver.finished_at is None
+        send([a.fileno()], plan, bases(src))
+        receiver.join()
+    assert np.array_equal(dst, want), differing(dst, want)
+    assert rx.finished and ctl.bytes_done == ctl.total == plan.total_bytes
+
+
+def test_run_returns_on_a_refusal_and_ends_aborted_when_its_control_is() -> None:
+    _, dst, plan, _ = case(15)
+    before = dst.copy()
+    with pair() as (a, b):
+        rx = n.SockStep(b.fileno(), plan, bases(dst), False, tag=TAG)
+        a.sendall(refusal(TAG, b"{}"))
+        rx.run(n.Control())
+        assert rx.refused and rx.refusal == b"{}"
+    with pair() as (a, b):
+        half = plan.total_bytes // 2
+        a.sendall(n.sock_header(TAG, plan.total_bytes) + b"\x5a" * half)
+        rx = n.SockStep(b.fileno(), plan, bases(dst), False, tag=TAG)
+        ctl = n.Control()
+        receiver = Background(rx.run, ctl)
+        time.sleep(0.05)  # it took the half that came and waits for the rest
+        t0 = time.monotonic()
+        ctl.abort()
+        with raises(Status.ABORTED):
+            receiver.join()
+        assert receiver.finished_at is not None and receiver.finished_at - t0 < 1.0
+        assert rx.bytes_done == half and not rx.finished
+    assert not np.array_equal(dst, before)  # (the half that came landed: out of step now)
 
 
 def test_plan_segment_bytes_round_trip_and_checks() -> None:

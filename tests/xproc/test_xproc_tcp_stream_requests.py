@@ -1,6 +1,6 @@
 """tcp stream requests against a prompt process: its native serving thread.
 
-A tiny pull is asked on the requester's request stream (``tcp_requests``) and answered
+A small pull is asked on the requester's request stream (``tcp_requests``) and answered
 on it by the prompt's serving thread (``ext/serve.cpp``): the stream header of the
 request's tag and the bytes, or a refusal after which the stream is still in step.
 
@@ -12,8 +12,9 @@ request's tag and the bytes, or a refusal after which the stream is still in ste
   free waits for it (and fails with ``LLM_LINK_BUSY``, the cache intact, while a
   requester that does not read keeps it), and succeeds once the stream is gone.
 * A stopped prompt (SIGSTOP): a pull asked meanwhile ends at its deadline or its cancel,
-  and its late answer never lands in the next pulls; one answered 50 ms late (after the
-  decoder's short wait on its thread) completes.
+  whether the decoder's loop or a worker thread waits for its answer (a tiny or a small
+  pull), and its late answer never lands in the next pulls; one answered 50 ms late
+  (after the decoder's short wait on its thread) completes.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import pytest
 from aiodatadist import LLMStatusCode, LLMTimeoutError, _native
 from aiodatadist.testing import PromptSpec, RemotePair, remote_pair
 from aiodatadist.transports.tcp_lane import STREAM_SPIN_US
-from aiodatadist.transports.tcp_requests import encode_request
+from aiodatadist.transports.tcp_requests import STREAM_MAX_BYTES, encode_request
 from aiodatadist.transports.tcp_streams import LOOP_MAX_BYTES, REQUEST_STREAM
 from tests._procs import stop_now
 from tests.xproc import xproc_common as xc
@@ -116,8 +117,9 @@ async def test_requests_are_checked_refusals_keep_the_stream_and_junk_retires_it
             assert (r["status"], r["stale"]) == (S.LLM_KV_CACHE_NOT_EXIST, True), r
             # More than a stream request may move (the same tensor read again and again).
             tensor = 8 * unit
-            rows = [(i % 4, 0, 0, i * tensor, tensor) for i in range(LOOP_MAX_BYTES // tensor + 1)]
-            await _ask(s, 5, reg, rows, geometry=(1, 64, tensor))
+            n = STREAM_MAX_BYTES // tensor + 1
+            rows = [(i % 4, 0, 0, i * tensor, tensor) for i in range(n)]
+            await _ask(s, 5, reg, rows, geometry=(1, n, tensor))
             r = await _refusal(s, 5)
             assert r["status"] == S.LLM_PARAM_INVALID, r
             # After every refusal the stream is in step: the next request is served on it.
@@ -191,31 +193,48 @@ async def _pull(pair: RemotePair, src: list[int], dst: list[int], timeout: float
     assert pair.mismatches(cache, src, dst) == []
 
 
+def _small_spec(seed: int) -> PromptSpec:
+    return PromptSpec(num_tensors=2, num_blocks=16, block_shape=(65536,), dtype="uint8", seed=seed)
+
+
+# tiny: one 4 KiB block of both tensors (the decoder's loop takes the answer); small: three
+# 64 KiB blocks of both (384 KiB, over LOOP_MAX_BYTES: a worker thread takes it).
+SIZES = {"tiny": (_spec, 1), "small": (_small_spec, 3)}
+
+
+@pytest.mark.parametrize("size", sorted(SIZES))
 @pytest.mark.parametrize("how", ["timeout", "cancel"])
-async def test_a_late_answer_never_lands_in_the_next_pulls(how: str) -> None:
-    """The prompt is stopped while a tiny pull waits for its answer: the pull ends at its
+async def test_a_late_answer_never_lands_in_the_next_pulls(how: str, size: str) -> None:
+    """The prompt is stopped while a small pull waits for its answer: the pull ends at its
     deadline (or its cancel); the prompt, resumed, answers it on a stream the decoder
     has retired. The next pulls, into the same blocks, land their own bytes."""
-    async with remote_pair(_spec(SEED + 2), data_path="tcp") as rp:
-        await _pull(rp, [1], [2])  # (the streams are up, the lane is kept)
+    spec, n = SIZES[size]
+
+    def b(first: int) -> list[int]:
+        return list(range(first, first + n))
+
+    async with remote_pair(spec(SEED + 2), data_path="tcp") as rp:
+        assert LOOP_MAX_BYTES < 3 * 2 * 65536 <= STREAM_MAX_BYTES
+        await _pull(rp, b(1), b(2))  # (the streams are up, the lane is kept)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         stop_now(rp.prompt.pid)
         try:
             if how == "timeout":
                 with pytest.raises(LLMTimeoutError):
-                    await _pull(rp, [3], [4], timeout=0.2)
+                    await _pull(rp, b(3), b(4), timeout=0.2)
             else:
-                task = loop.create_task(_pull(rp, [3], [4]))
+                task = loop.create_task(_pull(rp, b(3), b(4)))
                 await asyncio.sleep(0.1)
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
             assert loop.time() - t0 < BOUND_S
+            assert rp.decoder._rt.executor.in_flight == 0  # (a worker's job has returned)
         finally:
             os.kill(rp.prompt.pid, signal.SIGCONT)
         for i, to in ((5, 4), (6, 2), (7, 4), (0, 2)):
-            await _pull(rp, [i], [to])
+            await _pull(rp, b(i), b(to))
 
 
 async def test_an_answer_after_the_short_wait_is_taken_by_the_loop() -> None:

@@ -30,7 +30,7 @@ from aiodatadist import (
 from aiodatadist.config import DataPath
 from aiodatadist.testing import cluster_info
 from aiodatadist.transports.base import Call
-from aiodatadist.transports.tcp_streams import LOOP_MAX_BYTES
+from aiodatadist.transports.tcp_requests import STREAM_MAX_BYTES
 from tests.xproc import xproc_common as xc
 from tests.xproc.xproc_harness import (
     Harness,
@@ -70,9 +70,10 @@ async def stats(prompt: object) -> dict[str, int]:
 
 
 # The decoder's pulls in the two tests below take WIDE blocks of the prompt's "wide" cache
-# (distinct bytes per block): over LOOP_MAX_BYTES, so the prompt's one serving thread (the
-# one X holds) serves them; a tiny request would be moved by the serving loop at once.
-WIDE = 24  # blocks per pull: 24 x 4 KiB x 4 tensors = 384 KiB
+# (distinct bytes per block): over STREAM_MAX_BYTES, so they are asked on the control
+# connection and the prompt's one serving thread (the one X holds) serves them; a smaller
+# one would be asked on the request stream and answered by its native thread at once.
+WIDE = 264  # blocks per pull: 264 x 4 KiB x 4 tensors = 4.1 MiB
 WIDE_MODEL = 44
 WIDE_SPEC = xc.Spec("wide", True, False, (12 * WIDE, *xc.BLOCK_SHAPE), model_id=WIDE_MODEL)
 WIDE_SEED = 4242
@@ -81,7 +82,7 @@ WIDE_SEED = 4242
 async def wide_setup(h: Harness) -> tuple[PeerProc, LLMDataDist, xc.Local, np.ndarray, xc.Local]:
     """The prompt (one serving thread, a "wide" cache), the linked decoder, its WIDE-block
     destination, the wide cache's reference bytes and the decoder's "reg" cache."""
-    assert WIDE * WIDE_SPEC.unit * WIDE_SPEC.num_tensors > LOOP_MAX_BYTES
+    assert WIDE * WIDE_SPEC.unit * WIDE_SPEC.num_tensors > STREAM_MAX_BYTES
     prompt = await h.peer(cluster_id=PROMPT, data_path="tcp", seed=SEED, big_mib=64, options=BUSY)
     await prompt.ok(
         "register", name="wide", model_id=WIDE_MODEL, seed=WIDE_SEED,
