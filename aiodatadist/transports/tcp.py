@@ -14,7 +14,8 @@ one) and sends CANCEL, so the serving side drops or aborts it too.
 A small pull (at most ``STREAM_MAX_BYTES``) skips the control connection: it is asked on
 the request stream and answered on it by the peer's native serving thread
 (``tcp_requests``): one round trip, no DONE. A tiny one (at most ``LOOP_MAX_BYTES``) is
-taken by the loop on the calling task, a bigger one on a worker thread.
+taken by the loop on the calling task; a bigger one by the loop when it comes within
+its short poll (at most ``STREAM_POLL_MAX_BYTES``), else by a worker thread.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ..errors import LLMException, LLMStatusCode, failure
 from .base import Call, Lane, LayerCut, Path
 from .peer import ControlLink
 from .tcp_lane import (
+    STREAM_POLL_MAX_BYTES,
     STREAM_SPIN_US,
     StreamPull,
     TcpLane,
@@ -198,7 +200,12 @@ class TcpPath(Path):
                 return False
         ask = StreamPull(self, sock, streams.epoch[direction])
         tiny = plan.total_bytes <= LOOP_MAX_BYTES
-        spin = STREAM_SPIN_US * self._spin if tiny else None
+        # An answer of at most STREAM_POLL_MAX_BYTES the loop may take whole if it comes
+        # within the poll (a worker's wakeup and the loop's would cost more than the copy);
+        # without a poll (a peer in this process), a bigger one is left to a worker whole.
+        spin: int | None = STREAM_SPIN_US * self._spin
+        if not tiny and (plan.total_bytes > STREAM_POLL_MAX_BYTES or not spin):
+            spin = None
         if not ask.begin(plan, asked_of(remote), landing_in(local), deadline, loop.time(), spin):
             if tiny:
                 await ask.finish(deadline)

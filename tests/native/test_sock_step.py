@@ -256,6 +256,21 @@ def test_run_waits_for_every_byte_and_counts_them() -> None:
     assert rx.finished and ctl.bytes_done == ctl.total == plan.total_bytes
 
 
+def test_run_takes_over_where_the_steps_left_off() -> None:
+    """The loop polls an answer (taking what came), then a worker thread runs the rest."""
+    src, dst, plan, want = case(16)
+    with pair(buf=4096) as (a, b):
+        tx = n.SockStep(a.fileno(), plan, bases(src), True, tag=TAG)
+        rx = n.SockStep(b.fileno(), plan, bases(dst), False, tag=TAG)
+        assert not tx.step()  # (buffers this small: a part only)
+        assert not rx.step_for(100_000)
+        assert 0 < rx.bytes_done < plan.total_bytes
+        receiver = Background(rx.run, n.Control())
+        drive(tx)
+        receiver.join()
+    assert np.array_equal(dst, want), differing(dst, want)
+
+
 def test_run_returns_on_a_refusal_and_ends_aborted_when_its_control_is() -> None:
     _, dst, plan, _ = case(15)
     before = dst.copy()

@@ -3,7 +3,9 @@
 A one-sided pull (``shm``, ``cma``) of at most ``ONE_SIDED_INLINE_MAX_BYTES`` runs inline
 on the loop thread, and a ``tcp`` pull of at most ``LOOP_MAX_BYTES`` is moved by the
 loop in non-blocking steps (on both sides): none of them hands a job to the decoder's
-transfer executor. One byte over the limit, the executor moves it as before. A stalled
+transfer executor. Over the limit, the executor moves it (``tcp``: over
+``STREAM_POLL_MAX_BYTES``; up to it the loop takes an answer that comes within its short
+poll, whole, and hands what does not to a worker thread). A stalled
 peer never blocks the loop during a tiny tcp pull: the deadline ends it, and the link
 works again afterwards.
 """
@@ -21,6 +23,7 @@ import pytest
 from aiodatadist import LLMStatusCode, LLMTimeoutError
 from aiodatadist._executor import ONE_SIDED_INLINE_MAX_BYTES
 from aiodatadist.testing import PromptSpec, RemotePair, remote_pair
+from aiodatadist.transports.tcp_lane import STREAM_POLL_MAX_BYTES
 from aiodatadist.transports.tcp_streams import LOOP_MAX_BYTES
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]  # peer processes
@@ -88,9 +91,13 @@ async def test_tiny_pulls_take_no_thread_and_bigger_ones_do(path: str) -> None:
             await cm.pull_blocks(pair.key(), dst.cache, [i % 8], [(i + 1) % 8])
             assert not pair.mismatches(dst, [i % 8], [(i + 1) % 8])
         assert submitted == [], submitted
-        # Over the limit (2 tensors x 2 blocks): the executor moves it.
-        await cm.pull_blocks(pair.key(), dst.cache, [1, 4], [5, 6])
-        assert not pair.mismatches(dst, [1, 4], [5, 6])
+        # Over the limit (2 tensors x 2 blocks): the executor moves it. (A tcp pull of up
+        # to STREAM_POLL_MAX_BYTES may be taken by the loop when its answer comes within
+        # the poll: all 8 blocks, 2 MiB, are over that too.)
+        src, to = ([1, 4], [5, 6]) if path != "tcp" else (list(range(8)), [3, 1, 7, 0, 6, 2, 5, 4])
+        assert (len(src) * 2 * 128 * 8 * 64 * 2 > STREAM_POLL_MAX_BYTES) == (path == "tcp")
+        await cm.pull_blocks(pair.key(), dst.cache, src, to)
+        assert not pair.mismatches(dst, src, to)
         assert len(submitted) == 1, submitted
 
 
