@@ -13,9 +13,9 @@ one) and sends CANCEL, so the serving side drops or aborts it too.
 
 A small pull (at most ``STREAM_MAX_BYTES``) skips the control connection: it is asked on
 the request stream and answered on it by the peer's native serving thread
-(``tcp_requests``): one round trip, no DONE. A tiny one (at most ``LOOP_MAX_BYTES``) is
-taken by the loop on the calling task; a bigger one by the loop when it comes within
-its short poll (at most ``STREAM_POLL_MAX_BYTES``), else by a worker thread.
+(``tcp_requests``): one round trip, no DONE. An answer of at most
+``STREAM_POLL_MAX_BYTES`` is taken by the loop on the calling task, a bigger one by a
+worker thread.
 """
 
 from __future__ import annotations
@@ -168,9 +168,9 @@ class TcpPath(Path):
         self, plan: _native.Plan, remote: CacheEntry, local: CacheEntry, call: Call
     ) -> bool:
         """A small pull, asked and answered on the request stream (see ``tcp_requests``):
-        one round trip, no control message; a tiny one (at most ``LOOP_MAX_BYTES``) moved
-        by the loop on this task, a bigger one by a worker thread (the loop copies no
-        megabytes). False: the peer's set of streams came without a request stream
+        one round trip, no control message; one of at most ``STREAM_POLL_MAX_BYTES`` moved
+        by the loop on this task, a bigger one by a worker thread (the loop copies no more
+        than that). False: the peer's set of streams came without a request stream
         (nothing was asked; the caller asks on the control connection).
 
         Raises:
@@ -199,15 +199,13 @@ class TcpPath(Path):
             if sock is None:  # (the peer's set came without one: the control plane asks)
                 return False
         ask = StreamPull(self, sock, streams.epoch[direction])
-        tiny = plan.total_bytes <= LOOP_MAX_BYTES
-        # An answer of at most STREAM_POLL_MAX_BYTES the loop may take whole if it comes
-        # within the poll (a worker's wakeup and the loop's would cost more than the copy);
-        # without a poll (a peer in this process), a bigger one is left to a worker whole.
-        spin: int | None = STREAM_SPIN_US * self._spin
-        if not tiny and (plan.total_bytes > STREAM_POLL_MAX_BYTES or not spin):
-            spin = None
+        # An answer of at most STREAM_POLL_MAX_BYTES the loop takes itself, polling for it
+        # first (a worker's wakeup and then the loop's cost more than its copy); a bigger
+        # one a worker thread takes (the loop copies no more than that).
+        polled = plan.total_bytes <= STREAM_POLL_MAX_BYTES
+        spin = STREAM_SPIN_US * self._spin if polled else None
         if not ask.begin(plan, asked_of(remote), landing_in(local), deadline, loop.time(), spin):
-            if tiny:
+            if polled:
                 await ask.finish(deadline)
             else:
                 await ask.receive(call)

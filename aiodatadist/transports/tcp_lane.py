@@ -6,10 +6,9 @@ answered on it by the peer's native serving thread
 (:mod:`~aiodatadist.transports.tcp_requests`): one round trip, no control message, no
 DONE. :class:`StreamPull` is that exchange, in two halves: :meth:`StreamPull.begin`
 sends the request and polls up to ``spin_us`` for the answer on the calling thread
-(GIL released; an answer of at most ``STREAM_POLL_MAX_BYTES``, whole if it comes in
-time); then a tiny one (at most ``LOOP_MAX_BYTES``) awaits the rest on the loop
-(:meth:`StreamPull.finish`), a bigger one takes it on a worker thread of the instance's
-executor (:meth:`StreamPull.receive`: the loop copies no megabytes). The whole path
+(GIL released), :meth:`StreamPull.finish` awaits the rest on the loop: for an answer of
+at most ``STREAM_POLL_MAX_BYTES``; a bigger one a worker thread of the instance's
+executor takes (:meth:`StreamPull.receive`: the loop copies no megabytes). The whole path
 (``tcp.TcpPath._stream_pull``) uses them; so does :class:`TcpLane`, tcp's fast lane
 (:mod:`aiodatadist._lanes`): a repeated small pull between the same two caches skips
 the runner (plan, slot, holds) and asks at once; an answer that is not back within the
@@ -37,7 +36,7 @@ from ..config import DataPath
 from ..errors import LLMException, LLMStatusCode, failure, from_native, to_status_code
 from .base import Lane
 from .tcp_requests import MAX_STREAM_SEGMENTS, decode_refusal, encode_request
-from .tcp_streams import LOOP_MAX_BYTES, LoopMove
+from .tcp_streams import LoopMove
 
 if TYPE_CHECKING:
     from .._caches import CacheEntry
@@ -77,11 +76,11 @@ waits for it: an answer that comes within it costs no loop round trip and no wak
 (0: the loop waits from the start)."""
 
 STREAM_POLL_MAX_BYTES = 1024 * 1024
-"""A bigger stream pull's answer of at most this size is polled for on the loop's thread
-as a tiny one's (``STREAM_SPIN_US``) and taken there whole if it comes meanwhile (at most
-this much copied, ~0.1 ms here): a worker thread's wakeup and then the loop's cost more
-(512 KiB: ~0.08 ms p50 polled against ~0.28 ms through a worker, paired on the dev VM).
-What is not in by then, and a bigger answer from the start, a worker thread takes."""
+"""A stream pull's answer of at most this size is taken by the loop, as a tiny one's:
+polled for (``STREAM_SPIN_US``), then awaited and moved in non-blocking steps (at most
+this much copied on the loop's thread, ~0.1 ms here): a worker thread's wakeup and then
+the loop's cost more (512 KiB: 0.08-0.14 ms p50 against ~0.28 ms through a worker, on the
+dev VM). A bigger answer a worker thread takes (:meth:`StreamPull.receive`)."""
 
 # Stream requests' tags: apart from the control requests' ids (both name transfers in
 # CANCEL and in the serving side's bookkeeping).
@@ -294,7 +293,7 @@ class TcpLane(Lane):
     """
 
     kind = DataPath.TCP
-    max_bytes = LOOP_MAX_BYTES
+    max_bytes = STREAM_POLL_MAX_BYTES  # (what the loop takes itself)
 
     def __init__(self, path: TcpPath, remote: CacheEntry, local: CacheEntry, spin_us: int) -> None:
         # Values, not our entry: a lane never keeps a cache of ours (or its KvCache) alive
@@ -328,7 +327,7 @@ class TcpLane(Lane):
             plan = _native.Plan.blocks(self._src, self._dst, src_blocks, dst_blocks, *span)
         except (_native.NativeError, TypeError, OverflowError, ValueError):
             return 0
-        if plan.total_bytes > LOOP_MAX_BYTES or plan.num_segments > MAX_STREAM_SEGMENTS:
+        if plan.total_bytes > STREAM_POLL_MAX_BYTES or plan.num_segments > MAX_STREAM_SEGMENTS:
             return 0
         now = self._loop.time()
         if deadline is not None and deadline <= now:

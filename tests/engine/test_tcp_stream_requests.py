@@ -4,10 +4,10 @@ A real tcp link between two instances of this process (``inproc_pair(data_path="
 the prompt listens on loopback, the decoder links to it and pulls. A pull of at most
 ``STREAM_MAX_BYTES`` sends no control message (no PULL, no DONE): it is asked on the
 decoder's request stream and answered there by the prompt's native serving thread (the
-decoder's loop takes an answer of at most ``LOOP_MAX_BYTES``, a worker thread a bigger
-one); a bigger pull is asked on the control connection. A stream carrying anything but the answer
-to the pull waiting on it (a late answer of an earlier transfer, a foreign refusal) is
-refused before a byte lands, retired, and the next pull lands the right bytes on a new
+decoder's loop takes an answer of at most ``STREAM_POLL_MAX_BYTES``, a worker thread a
+bigger one); a bigger pull is asked on the control connection. A stream carrying anything
+but the answer to the pull waiting on it (a late answer of an earlier transfer, a foreign
+refusal) is refused before a byte lands, retired, and the next pull lands the right bytes on a new
 stream; a refusal of the pull itself leaves the stream in step (it is used again). Every
 pull's source bytes differ from every other's. (A prompt that answers late, or not at
 all: ``tests/xproc/test_xproc_tcp_stream_requests.py``, with a stopped prompt process.)
@@ -26,6 +26,7 @@ import pytest_asyncio
 
 from aiodatadist import BlocksCacheKey, LLMException, LLMStatusCode, _native
 from aiodatadist.testing import Pair, inproc_pair, make_blocks_cache, pattern_mismatches
+from aiodatadist.transports.tcp_lane import STREAM_POLL_MAX_BYTES
 from aiodatadist.transports.tcp_requests import STREAM_MAX_BYTES
 from aiodatadist.transports.tcp_streams import LOOP_MAX_BYTES
 from tests._procs import named_threads
@@ -34,7 +35,7 @@ from tests.engine._util import wait_until
 pytestmark = pytest.mark.asyncio
 
 SEED = 0x5713
-NUM_BLOCKS = 80  # 4 KiB per block per tensor: 64 blocks x 4 tensors = 1 MiB (over the limit)
+NUM_BLOCKS = 160  # 4 KiB per block per tensor, 4 tensors: 16 KiB per block of all four
 BOUND_S = 10.0  # generous: a deadline was honoured, not a speed claim
 
 
@@ -106,15 +107,22 @@ async def test_small_pulls_send_no_control_message_and_big_ones_do(
         assert not pattern_mismatches(dst.tensors, src, to, SEED, [(0, 0)])
     assert sent == [] and takers == [], (sent, takers)  # (answers the loop took)
     await _served(theirs, 12)
-    # Over the loop's limit (1 MiB): still asked on the request stream, and its answer is
-    # taken by a worker thread of the executor (the loop copies no megabytes).
+    # Up to STREAM_POLL_MAX_BYTES (1 MiB): asked on the request stream, taken by the loop.
     blocks = list(range(64))
-    assert LOOP_MAX_BYTES < len(blocks) * 4 * 4096 <= STREAM_MAX_BYTES
+    assert LOOP_MAX_BYTES < len(blocks) * 4 * 4096 <= STREAM_POLL_MAX_BYTES
+    await pair.decoder.cache_manager.pull_blocks(pair.key(), dst.cache, blocks, blocks[::-1])
+    assert not pattern_mismatches(dst.tensors, blocks, blocks[::-1], SEED)
+    assert sent == [] and takers == [], (sent, takers)
+    await _served(theirs, 13)
+    # Over it (1.1 MiB): still asked on the request stream, and its answer is taken by a
+    # worker thread of the executor (the loop copies no megabytes).
+    blocks = list(range(72, 144))
+    assert STREAM_POLL_MAX_BYTES < len(blocks) * 4 * 4096 <= STREAM_MAX_BYTES
     await pair.decoder.cache_manager.pull_blocks(pair.key(), dst.cache, blocks, blocks[::-1])
     assert not pattern_mismatches(dst.tensors, blocks, blocks[::-1], SEED)
     assert sent == [], sent
     assert len(takers) == 1 and takers[0].startswith("aiodatadist-"), takers
-    await _served(theirs, 13)
+    await _served(theirs, 14)
     # Over the stream requests' limit: asked on the control connection (and answered with
     # a DONE). 80 blocks of 16 KiB x 4 tensors: 5 MiB.
     make_blocks_cache(
@@ -127,7 +135,7 @@ async def test_small_pulls_send_no_control_message_and_big_ones_do(
     await pair.decoder.cache_manager.pull_blocks(key, big.cache, blocks, blocks[::-1])
     assert not pattern_mismatches(big.tensors, blocks, blocks[::-1], SEED + 9)
     assert len(sent) == 1 and len(takers) == 1, (sent, takers)
-    await _served(theirs, 14)  # (the control-plane request counted too)
+    await _served(theirs, 15)  # (the control-plane request counted too)
 
 
 def _spy_takers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -143,9 +151,9 @@ def _spy_takers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return names
 
 
-# A pull of one block of one tensor (4 KiB: the loop takes the answer) or of 24 blocks of
-# all 4 tensors (384 KiB: a worker thread takes it).
-SIZES = {"tiny": (1, 1), "small": (24, 4)}
+# A pull of one block of one tensor (4 KiB), of 24 blocks of all 4 tensors (384 KiB: the
+# loop takes both answers) or of 72 (1.1 MiB: a worker thread takes it).
+SIZES = {"tiny": (1, 1), "small": (24, 4), "large": (72, 4)}
 
 
 def _sized(size: str, first: int, to: int) -> tuple[list[int], list[int], dict[str, Any]]:

@@ -12,9 +12,9 @@ request's tag and the bytes, or a refusal after which the stream is still in ste
   free waits for it (and fails with ``LLM_LINK_BUSY``, the cache intact, while a
   requester that does not read keeps it), and succeeds once the stream is gone.
 * A stopped prompt (SIGSTOP): a pull asked meanwhile ends at its deadline or its cancel,
-  whether the decoder's loop or a worker thread waits for its answer (a tiny or a small
-  pull), and its late answer never lands in the next pulls; one answered 50 ms late
-  (after the decoder's short wait on its thread) completes.
+  whether the decoder's loop or a worker thread waits for its answer (up to or over
+  ``STREAM_POLL_MAX_BYTES``), and its late answer never lands in the next pulls; one
+  answered 50 ms late (after the decoder's short wait on its thread) completes.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import pytest
 
 from aiodatadist import LLMStatusCode, LLMTimeoutError, _native
 from aiodatadist.testing import PromptSpec, RemotePair, remote_pair
-from aiodatadist.transports.tcp_lane import STREAM_SPIN_US
+from aiodatadist.transports.tcp_lane import STREAM_POLL_MAX_BYTES, STREAM_SPIN_US
 from aiodatadist.transports.tcp_requests import STREAM_MAX_BYTES, encode_request
 from aiodatadist.transports.tcp_streams import LOOP_MAX_BYTES, REQUEST_STREAM
 from tests._procs import stop_now
@@ -197,9 +197,9 @@ def _small_spec(seed: int) -> PromptSpec:
     return PromptSpec(num_tensors=2, num_blocks=16, block_shape=(65536,), dtype="uint8", seed=seed)
 
 
-# tiny: one 4 KiB block of both tensors (the decoder's loop takes the answer); small: three
-# 64 KiB blocks of both (384 KiB, over LOOP_MAX_BYTES: a worker thread takes it).
-SIZES = {"tiny": (_spec, 1), "small": (_small_spec, 3)}
+# tiny: one 4 KiB block of both tensors; small: three 64 KiB blocks of both (384 KiB):
+# the decoder's loop takes both answers. large: nine (1.1 MiB): a worker thread takes it.
+SIZES = {"tiny": (_spec, 1), "small": (_small_spec, 3), "large": (_small_spec, 9)}
 
 
 @pytest.mark.parametrize("size", sorted(SIZES))
@@ -214,7 +214,8 @@ async def test_a_late_answer_never_lands_in_the_next_pulls(how: str, size: str) 
         return list(range(first, first + n))
 
     async with remote_pair(spec(SEED + 2), data_path="tcp") as rp:
-        assert LOOP_MAX_BYTES < 3 * 2 * 65536 <= STREAM_MAX_BYTES
+        assert LOOP_MAX_BYTES < 3 * 2 * 65536 <= STREAM_POLL_MAX_BYTES < 9 * 2 * 65536
+        assert 9 * 2 * 65536 <= STREAM_MAX_BYTES
         await _pull(rp, b(1), b(2))  # (the streams are up, the lane is kept)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
