@@ -53,7 +53,9 @@ LOOP_MAX_BYTES = 256 * 1024
 non-blocking steps (:class:`LoopMove`), on both sides: no thread handoff, no thread
 start, one wakeup per readiness. Each step copies at most this much (tens of
 microseconds on the loop thread) and never waits: a peer that stops reading or
-sending only leaves the loop waiting for readiness, under the same deadline."""
+sending only leaves the loop waiting for readiness, under the same deadline. (A stream
+request's answer of up to ``tcp_lane.STREAM_POLL_MAX_BYTES`` is taken in such steps
+too, at most that much in all.)"""
 
 
 class LoopMove:
