@@ -4,10 +4,9 @@ A pull of at most ``STREAM_MAX_BYTES`` (and ``MAX_STREAM_SEGMENTS`` segments) is
 the request stream of the requester's direction (``tcp_streams.REQUEST_STREAM``), which
 carries its bytes back: one round trip, no control message, no DONE. The requester
 (``tcp_lane.StreamPull``) sends the request and takes the answer with ``SockStep``: on
-the loop thread up to ``tcp_lane.STREAM_POLL_MAX_BYTES``, on a worker thread above it. The
-serving
-side's native thread (``ext/serve.cpp``, started by ``tcp_serve.TcpServing``) reads
-each request, checks it against the instance's serve book and answers it.
+the loop thread up to ``tcp_lane.STREAM_POLL_MAX_BYTES``, on a worker thread above it.
+The serving side's native thread (``ext/serve.cpp``, started by ``tcp_serve.TcpServing``)
+reads each request, checks it against the instance's serve book and answers it.
 
 Only the answer's stream header (or refusal) with the request's tag is taken: the
 bytes of an abandoned pull (its stream retired) can never land in a later one.
