@@ -14,3 +14,9 @@ if [[ -n "$extra" ]]; then
 else
   .venv/bin/python -m pip install -q -e .
 fi
+# Bytecode for the package and the tests, written once here. Where PYTHONDONTWRITEBYTECODE
+# is set (as on the dev VM), nothing else writes it, and every process that imports the
+# editable package (each peer process a test starts, each demo process) compiled its ~80
+# modules from source: ~0.08 s of a peer's ~0.2 s start. A stale file is never used (its
+# source's mtime is checked), so this only saves time.
+.venv/bin/python -m compileall -q -j 0 aiodatadist tests examples bench >/dev/null
