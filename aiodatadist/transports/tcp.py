@@ -205,10 +205,7 @@ class TcpPath(Path):
         polled = plan.total_bytes <= STREAM_POLL_MAX_BYTES
         spin = STREAM_SPIN_US * self._spin if polled else None
         if not ask.begin(plan, asked_of(remote), landing_in(local), deadline, loop.time(), spin):
-            if polled:
-                await ask.finish(deadline)
-            else:
-                await ask.receive(call)
+            await ask.finish(deadline, None if polled else call)
         if ask.refused:
             assert ask.step is not None
             raise peer_failure(decode_refusal(ask.step.refusal))

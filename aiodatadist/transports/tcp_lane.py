@@ -6,9 +6,9 @@ answered on it by the peer's native serving thread
 (:mod:`~aiodatadist.transports.tcp_requests`): one round trip, no control message, no
 DONE. :class:`StreamPull` is that exchange, in two halves: :meth:`StreamPull.begin`
 sends the request and polls up to ``spin_us`` for the answer on the calling thread
-(GIL released), :meth:`StreamPull.finish` awaits the rest on the loop: for an answer of
-at most ``STREAM_POLL_MAX_BYTES``; a bigger one a worker thread of the instance's
-executor takes (:meth:`StreamPull.receive`: the loop copies no megabytes). The whole path
+(GIL released), :meth:`StreamPull.finish` awaits the rest: on the loop for an answer of
+at most ``STREAM_POLL_MAX_BYTES``, on a worker thread of the instance's executor for a
+bigger one (the loop copies no megabytes). The whole path
 (``tcp.TcpPath._stream_pull``) uses them; so does :class:`TcpLane`, tcp's fast lane
 (:mod:`aiodatadist._lanes`): a repeated small pull between the same two caches skips
 the runner (plan, slot, holds) and asks at once; an answer that is not back within the
@@ -80,7 +80,7 @@ STREAM_POLL_MAX_BYTES = 1024 * 1024
 polled for (``STREAM_SPIN_US``), then awaited and moved in non-blocking steps (at most
 this much copied on the loop's thread, ~0.1 ms here): a worker thread's wakeup and then
 the loop's cost more (512 KiB: 0.08-0.14 ms p50 against ~0.28 ms through a worker, on the
-dev VM). A bigger answer a worker thread takes (:meth:`StreamPull.receive`)."""
+dev VM). A bigger answer a worker thread takes (:meth:`StreamPull.finish`)."""
 
 # Stream requests' tags: apart from the control requests' ids (both name transfers in
 # CANCEL and in the serving side's bookkeeping).
@@ -172,8 +172,8 @@ class StreamPull:
         ``remote``: the peer's cache id and lease generation (:func:`asked_of`); ``local``:
         our cache's geometry and tensor addresses (:func:`landing_in`). ``spin_us`` None:
         sends the request only, takes nothing (a worker thread takes the answer:
-        :meth:`receive`; a step here would copy on the loop thread for as long as the
-        peer keeps sending).
+        :meth:`finish` given a call; a step here would copy on the loop thread for as long
+        as the peer keeps sending).
 
         Raises:
             LLMException: the stream failed (it is retired; CANCEL is sent).
@@ -213,38 +213,27 @@ class StreamPull:
             self.end(True)
         return done
 
-    async def finish(self, deadline: float | None) -> None:
-        """Awaits the rest of the exchange on the loop (after :meth:`begin` returned False).
+    async def finish(self, deadline: float | None, call: Call | None = None) -> None:
+        """Awaits the rest of the exchange (after :meth:`begin` returned False): on the
+        loop, or, given ``call``, on a worker thread of its executor (``SockStep.run``,
+        GIL released, under ``call``'s deadline: a bigger answer, which the loop must not
+        copy).
 
         Raises:
-            LLMTimeoutError: ``deadline`` passed.
+            LLMTimeoutError: the deadline passed (nothing moves after it; a worker's job
+                has returned).
             LLMException: the stream failed, or the link closed.
             asyncio.CancelledError: cancelled (nothing moves after it).
         """
         step = self.step
         assert step is not None and self._clean is None
         try:
-            await self._send_rest(deadline)
-            await LoopMove(lambda: step).run(deadline)
-        except BaseException:
-            self.end(False)
-            raise
-        self.end(True)
-
-    async def receive(self, call: Call) -> None:
-        """:meth:`finish` for a bigger answer: taken on a worker thread of ``call``'s
-        executor (``SockStep.run``, GIL released), under ``call``'s deadline.
-
-        Raises:
-            LLMTimeoutError: the deadline passed; the job has returned (nothing moves).
-            LLMException: the stream failed, or the link closed.
-            asyncio.CancelledError: cancelled, once the job has returned.
-        """
-        step = self.step
-        assert step is not None and self._clean is None
-        try:
-            await self._send_rest(call.deadline)
-            await call.run(step.run)
+            if call is None:
+                await self._send_rest(deadline)
+                await LoopMove(lambda: step).run(deadline)
+            else:
+                await self._send_rest(call.deadline)
+                await call.run(step.run)
         except BaseException:
             self.end(False)
             raise
