@@ -18,7 +18,7 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from . import _wire
-from .errors import LLMException
+from .errors import LLMException, LLMStatusCode, failure
 
 __all__ = ["CANCEL_TIMEOUT", "PeerRequests", "next_req_id"]
 
@@ -54,7 +54,12 @@ class PeerRequests:
         def _spawn(self, coro: Coroutine[Any, Any, None], name: str | None = None) -> None: ...
 
     async def refresh(self, deadline: float | None) -> None:
-        """A PING round trip: every TABLE the peer sent before our PING is applied after it."""
+        """A PING round trip: every TABLE the peer sent before our PING is applied after it.
+
+        Raises:
+            LLMTimeoutError: the deadline passed before the peer answered (the table this
+                side has may be behind the peer's: a key missing from it is no verdict).
+        """
         t = next_req_id()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pongs[t] = fut
@@ -63,7 +68,14 @@ class PeerRequests:
                 await self.send(_wire.MsgType.PING, {"t": t})
                 await fut
         except TimeoutError:
-            pass
+            # Said by the refresh itself: on uvloop the timer may fire with loop.time()
+            # still a fraction of a millisecond short of the deadline, so a caller
+            # reading the clock afterwards could take the miss for the peer's verdict.
+            raise failure(
+                LLMStatusCode.LLM_TIMEOUT,
+                "deadline passed while fetching the peer's cache table (the table this "
+                "side has may not show what the peer registered last)",
+            ) from None
         finally:
             self._pongs.pop(t, None)
 

@@ -20,7 +20,6 @@ go only once no byte moves any more; then ``LLMTimeoutError`` or ``CancelledErro
 
 from __future__ import annotations
 
-import asyncio
 from time import perf_counter
 from typing import TYPE_CHECKING
 
@@ -35,7 +34,7 @@ from ._plan import (
     local_copy_plan,
     plan,
 )
-from .errors import LLMException, LLMStatusCode, current_api, failure
+from .errors import LLMException, LLMStatusCode, current_api
 from .metrics import _core as _metrics
 
 if TYPE_CHECKING:
@@ -87,23 +86,12 @@ async def run(rt: Runtime, link: Link, request: Request, cut: LayerCut | None = 
         except LLMException as e:
             if e.status_code != LLMStatusCode.LLM_KV_CACHE_NOT_EXIST:
                 raise
+            # A peer that does not answer within the deadline raises LLMTimeoutError
+            # here: the key may just not have reached us, no verdict on it.
             if not await link.path.refresh(deadline):
                 raise
             version = link.path.remote_table.version
-            try:
-                remote, moves = plan(request, link.path.remote_table)
-            except LLMException as again:
-                if (
-                    again.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
-                    and asyncio.get_running_loop().time() >= deadline
-                ):
-                    # The refresh ran out of time: the key may just not have reached us.
-                    raise failure(
-                        LLMStatusCode.LLM_TIMEOUT,
-                        "deadline passed while fetching the peer's cache table (the key "
-                        "is not in the table this side has)",
-                    ) from again
-                raise
+            remote, moves = plan(request, link.path.remote_table)  # the peer's verdict
         async with link.exclusive(deadline):
             if link.path.remote_table.version != version:  # the peer re-registered meanwhile
                 remote, moves = plan(request, link.path.remote_table)

@@ -333,7 +333,11 @@ class Path(abc.ABC):
         return None
 
     async def refresh(self, deadline: float | None) -> bool:
-        """Brings :attr:`remote_table` up to date; False when it always is."""
+        """Brings :attr:`remote_table` up to date (True); False when it always is.
+
+        Raises:
+            LLMTimeoutError: the deadline passed before the peer answered.
+        """
         return False
 
     def table_changed(self) -> None:  # noqa: B027 - optional hook

@@ -81,7 +81,11 @@ class ControlLink(Protocol):
         """Our table changed: the peer gets a TABLE soon."""
 
     async def refresh(self, deadline: float | None) -> None:
-        """Returns once every table the peer sent before now has been applied."""
+        """Returns once every table the peer sent before now has been applied.
+
+        Raises:
+            LLMTimeoutError: the deadline passed first.
+        """
 
     async def unlink(self) -> None:
         """Says goodbye and closes the connection."""

@@ -344,5 +344,5 @@ class TcpLane(Lane):
         raise err
 
     async def _refreshed(self, deadline: float | None) -> int:
-        await self._path.refresh(deadline)  # (the whole path then judges the deadline)
+        await self._path.refresh(deadline)  # (LLMTimeoutError: the deadline passed first)
         return 0
