@@ -59,6 +59,9 @@ long; the copy is bounded by its size, and cannot be aborted mid-way."""
 INLINE_YIELD_S: Final = 0.001
 """Back-to-back inline one-sided transfers yield to the loop at least this often (a
 loop of tiny pulls that never suspends would starve the loop's other tasks)."""
+NO_DEADLINE_S: Final = float("inf")
+"""``Control.expire_in`` of a job without a deadline (clears an earlier one)."""
+
 _pool_ids = itertools.count(1)
 
 
@@ -429,6 +432,11 @@ class TransferExecutor:
                 return job(ctl)
             except _native.NativeError as err:
                 raise from_native(err, api) from err
+        if deadline is not None or control is not None:
+            # The job's own copy of the deadline: its movers end it there between chunks
+            # even while this loop, whose timer below would abort it, does not run (a
+            # given control's earlier deadline does not carry over: NO_DEADLINE_S).
+            ctl.expire_in(deadline - loop.time() if deadline is not None else NO_DEADLINE_S)
         work = self._post(job, ctl, wake=True)
         expired = False
 
@@ -450,7 +458,7 @@ class TransferExecutor:
             return work.value
         error = work.value
         if isinstance(error, _native.NativeError):
-            if error.status == _native.Status.ABORTED and expired:
+            if error.status == _native.Status.ABORTED and (expired or ctl.expired):
                 done = (
                     f"after {ctl.bytes_done} of {ctl.total} bytes"
                     if ctl.total

@@ -50,6 +50,13 @@ class Control:
     @property
     def total(self) -> int: ...
     def reset(self) -> None: ...
+    def expire_in(self, seconds: float) -> None:
+        """The job's own deadline, ``seconds`` from now (CLOCK_MONOTONIC; <= 0: due now):
+        its movers end it there (``ABORTED``, :attr:`expired` set) between chunks, even
+        while nothing calls :meth:`abort`. Cleared by :meth:`reset`."""
+    @property
+    def expired(self) -> bool:
+        """The job ended (or ends) at its :meth:`expire_in` deadline."""
 
 class Geometry:
     """One side of a transfer: ``num_tensors`` tensors of ``tensor_bytes`` each,

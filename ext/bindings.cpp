@@ -80,6 +80,8 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("bytes_done", &Control::bytes_done)
       .def_property_readonly("total", &Control::total)
       .def("reset", &Control::reset)
+      .def("expire_in", &Control::expire_in, py::arg("seconds"))
+      .def_property_readonly("expired", &Control::expired)
       .def("__repr__", [](const Control& c) {
         return "<Control aborted=" + std::string(c.aborted() ? "True" : "False") +
                " bytes_done=" + std::to_string(c.bytes_done()) + " total=" + std::to_string(c.total()) + ">";

@@ -72,13 +72,28 @@ class Control {
   void set_total(uint64_t n) noexcept { total_.store(n, std::memory_order_relaxed); }
   uint64_t total() const noexcept { return total_.load(std::memory_order_relaxed); }
 
-  // Throws Error(ABORTED) when an abort was requested.
-  void check() const {
-    if (aborted()) throw Error(Status::ABORTED, "transfer aborted");
+  // The job's own deadline, `seconds` from now on CLOCK_MONOTONIC (<= 0: already due);
+  // check() ends the job there even while the thread that would abort it (the event
+  // loop's timer) does not run. Cleared by reset().
+  void expire_in(double seconds) noexcept;
+  // check() found the deadline passed (and aborted the job).
+  bool expired() const noexcept { return expired_.load(std::memory_order_acquire); }
+
+  // Throws Error(ABORTED) when an abort was requested or the deadline has passed.
+  void check() {
+    if (aborted()) throw Error(Status::ABORTED, expired() ? "deadline passed" : "transfer aborted");
+    uint64_t d = deadline_ns_.load(std::memory_order_relaxed);
+    if (d != 0 && monotonic_ns() >= d) expire();
   }
 
+  static uint64_t monotonic_ns() noexcept;
+
  private:
+  [[noreturn]] void expire();
+
   std::atomic<bool> aborted_{false};
+  std::atomic<bool> expired_{false};
+  std::atomic<uint64_t> deadline_ns_{0};
   std::atomic<uint64_t> done_{0};
   std::atomic<uint64_t> total_{0};
   std::mutex efd_mu_;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <ctime>
 #include <limits>
 #include <sstream>
 
@@ -42,8 +43,30 @@ void Control::abort() noexcept {
   }
 }
 
+uint64_t Control::monotonic_ns() noexcept {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+void Control::expire_in(double seconds) noexcept {
+  uint64_t now = monotonic_ns();
+  // (NaN and <= 0: due now; a bound past ~292 years: none, as no deadline.)
+  uint64_t d = now;
+  if (seconds > 0) d = seconds < 9.0e9 ? now + static_cast<uint64_t>(seconds * 1e9) : 0;
+  deadline_ns_.store(d == 0 ? 0 : std::max<uint64_t>(d, 1), std::memory_order_relaxed);
+}
+
+void Control::expire() {
+  expired_.store(true, std::memory_order_release);  // (before the abort: see check())
+  abort();  // (every thread of the job, and a poller, stops too)
+  throw Error(Status::ABORTED, "deadline passed");
+}
+
 void Control::reset() noexcept {
   aborted_.store(false, std::memory_order_release);
+  expired_.store(false, std::memory_order_relaxed);
+  deadline_ns_.store(0, std::memory_order_relaxed);
   done_.store(0, std::memory_order_relaxed);
   total_.store(0, std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(efd_mu_);

@@ -188,6 +188,50 @@ def test_control_reset_makes_it_reusable() -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+def test_a_job_ends_at_its_own_deadline_with_nobody_aborting_it(
+    big: tuple[np.ndarray, np.ndarray], threads: int
+) -> None:
+    # No event loop, no abort(): the 256 MiB copy (tens of ms) is cut short by the
+    # deadline the control carries, between chunks.
+    src, dst = big
+    dst[:] = 0
+    plan = one_segment_plan(BIG)
+    ctl = n.Control()
+    ctl.expire_in(0.002)
+    t0 = time.monotonic()
+    with raises(Status.ABORTED, "deadline passed"):
+        n.copy_local(plan, bases(src), bases(dst), ctl, threads)
+    assert time.monotonic() - t0 < 0.5  # generous: within a chunk per thread, not the copy
+    assert ctl.expired and ctl.aborted
+    done = ctl.bytes_done
+    assert done < BIG and done % CHUNK == 0
+    if threads == 1:
+        assert np.array_equal(dst[0, :done], src[0, :done])
+        assert not dst[0, done:].any()
+
+
+def test_a_deadline_already_due_moves_nothing_and_reset_clears_it() -> None:
+    src, dst, plan = small_case()
+    before = dst.copy()
+    ctl = n.Control()
+    for due in (0.0, -1.0, float("nan")):
+        ctl.reset()
+        ctl.expire_in(due)
+        with raises(Status.ABORTED, "deadline passed"):
+            n.copy_local(plan, bases(src), bases(dst), ctl)
+        assert ctl.expired and ctl.bytes_done == 0
+        assert np.array_equal(dst, before)
+    ctl.reset()
+    assert not ctl.expired and not ctl.aborted
+    n.copy_local(plan, bases(src), bases(dst), ctl)  # reset: no deadline any more
+    ctl.reset()
+    ctl.expire_in(0.0)
+    ctl.expire_in(float("inf"))  # none: clears the one set before
+    n.copy_local(plan, bases(src), bases(dst), ctl)
+    assert not ctl.expired and ctl.bytes_done == plan.total_bytes
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 def test_abort_mid_copy_stops_within_one_chunk(
     big: tuple[np.ndarray, np.ndarray], threads: int
 ) -> None:
