@@ -139,31 +139,32 @@ async def test_bad_arguments_change_nothing(dd: LLMDataDist) -> None:
 
 
 async def test_a_deadline_holds_while_the_loop_is_blocked() -> None:
-    # The loop is blocked (a callback sleeping 0.3 s, as a CPU-bound handler would) right
+    # The loop is blocked (a callback sleeping 0.5 s, as a CPU-bound handler would) right
     # after the copy's job was queued: the loop's timer cannot abort it, the job's own
-    # deadline does. Without it the 64 MiB copy (tens of ms) completed and the call
-    # returned success 0.3 s past its 10 ms deadline.
+    # deadline does. Without it the 256 MiB copy (one thread, into pages never touched:
+    # 25-130 ms here) ran to the end and the call returned success 0.5 s past its 20 ms
+    # deadline.
     import time
 
     dd = LLMDataDist(LLMRole.DECODER, 63)
     await dd.init({"aiodatadist.MoverThreads": "1"})
     try:
-        row = 32 << 20
-        desc = CacheDesc(2, [2, row], DataType.DT_UINT8, Placement.HOST)
-        ta = [np.ones((2, row), np.uint8) for _ in range(2)]
-        tb = [np.zeros((2, row), np.uint8) for _ in range(2)]
+        row = 128 << 20
+        desc = CacheDesc(2, [1, row], DataType.DT_UINT8, Placement.HOST)
+        ta = [np.ones((1, row), np.uint8) for _ in range(2)]
+        tb = [np.zeros((1, row), np.uint8) for _ in range(2)]
         a = dd.cache_manager.register_cache(desc, ta)
         b = dd.cache_manager.register_cache(desc, tb)
         loop = asyncio.get_running_loop()
-        copy = asyncio.ensure_future(dd.cache_manager.copy_cache(b, a, 0, 1, timeout=0.01))
+        copy = asyncio.ensure_future(dd.cache_manager.copy_cache(b, a, 0, 0, timeout=0.02))
         await asyncio.sleep(0)  # the copy's job is queued
-        loop.call_soon(time.sleep, 0.3)
+        loop.call_soon(time.sleep, 0.5)
         with pytest.raises(LLMTimeoutError) as info:
             await copy
         assert info.value.status_code == LLMStatusCode.LLM_TIMEOUT
         assert not all(t[0].all() for t in tb), "the whole row landed: nothing ended the job"
         assert dd._rt.executor.in_flight == 0
-        await dd.cache_manager.copy_cache(b, a, 0, 1, timeout=30)  # usable after it
+        await dd.cache_manager.copy_cache(b, a, 0, 0, timeout=30)  # usable after it
         assert all(t[0].all() for t in tb)
     finally:
         await dd.finalize()
