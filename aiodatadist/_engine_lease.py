@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import weakref
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from . import _wire
-from ._leases import LeaseStale
+from ._leases import LeaseHold, LeaseStale
 from .errors import LLMException, LLMStatusCode, failure, to_status_code
 
 if TYPE_CHECKING:
@@ -60,11 +61,30 @@ async def _unlease(peer: ControlLink, req: int) -> None:
         await peer.send(_wire.MsgType.UNLEASE, {"req": req})
 
 
+def _unlease_from(loop: asyncio.AbstractEventLoop, peer: ControlLink, req: int) -> None:
+    """Sends UNLEASE from any thread (a reaper's, once the request it kept ended)."""
+
+    def send() -> None:
+        _background(_unlease(peer, req))
+
+    try:
+        here = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        here = False
+    if here:
+        send()  # (at once, in order with what this task sends next)
+        return
+    with contextlib.suppress(RuntimeError):  # the loop is closed: the link went with it
+        loop.call_soon_threadsafe(send)
+
+
 @contextlib.asynccontextmanager
 async def remote_lease(
     peer: ControlLink, remote: CacheEntry, deadline: float | None
-) -> AsyncIterator[None]:
-    """Holds the owner's lease on ``remote`` for the body (one round trip).
+) -> AsyncIterator[LeaseHold]:
+    """Holds the owner's lease on ``remote`` for the body (one round trip); yields its
+    :class:`~aiodatadist._leases.LeaseHold`: an engine request aborted in flight and
+    handed to a reaper keeps the lease (the UNLEASE waits) until it ended.
 
     Raises:
         LeaseStale: the owner freed the cache or re-bound it since our table.
@@ -90,10 +110,11 @@ async def remote_lease(
     if code != LLMStatusCode.LLM_SUCCESS:
         stale = code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST and reply.get("stale") is True
         raise failure(code, f"peer: {reply['info']}", kind=LeaseStale if stale else None)
+    hold = LeaseHold(functools.partial(_unlease_from, asyncio.get_running_loop(), peer, req))
     try:
-        yield
+        yield hold
     finally:
-        _background(_unlease(peer, req))
+        hold.close()
 
 
 async def serve(peer: Any, msg: _wire.Message) -> None:

@@ -29,6 +29,7 @@ The fds of pages and segments travel over the per-link Unix socket of
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import select
@@ -49,9 +50,13 @@ __all__ = [
     "SLOTS",
     "Channel",
     "LeaseBook",
+    "LeaseHold",
     "LeasePage",
     "LeaseStale",
+    "holding",
+    "keep_current",
     "leased",
+    "page_lease",
 ]
 
 SLOTS = 4096
@@ -105,11 +110,19 @@ class Channel(Protocol):
 
 
 class LeasePage:
-    """A mapped lease page (ours or a peer's)."""
+    """A mapped lease page (ours or a peer's).
+
+    A lease kept past its transfer (:class:`LeaseHold`) pins the page: :meth:`close`
+    then only marks it closed (no new lease is entered on it) and the last unpin unmaps
+    it, so a lease can always be left.
+    """
 
     def __init__(self, seg: _native.ShmSegment, slots: int) -> None:
         self.seg = seg
         self.slots = slots
+        self._lock = threading.Lock()
+        self._pins = 0
+        self._closing = False
 
     @classmethod
     def create(cls, label: str, slots: int = SLOTS) -> LeasePage:
@@ -122,7 +135,7 @@ class LeasePage:
 
     def addr(self, slot: int, api: str | None = None) -> int:
         """The address of ``slot``, bounds-checked against the page."""
-        if not 0 <= slot < self.slots or self.seg.closed:
+        if not 0 <= slot < self.slots or self.closed:
             raise failure(
                 LLMStatusCode.LLM_PARAM_INVALID,
                 f"lease slot {slot} is outside the peer's lease page of {self.slots} slots",
@@ -130,8 +143,132 @@ class LeasePage:
             )
         return self.seg.addr + slot * SLOT_BYTES
 
+    @property
+    def closed(self) -> bool:
+        """Closed (or closing while pinned): no lease is entered on it any more."""
+        return self._closing or self.seg.closed
+
+    def pin(self) -> None:
+        """Keeps the page mapped until :meth:`unpin`, even past :meth:`close`."""
+        with self._lock:
+            if self.seg.closed:
+                raise failure(LLMStatusCode.LLM_FAILED, "the lease page is unmapped")
+            self._pins += 1
+
+    def unpin(self) -> None:
+        with self._lock:
+            self._pins -= 1
+            unmap = self._closing and self._pins == 0
+        if unmap:
+            self.seg.close()
+
     def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            if self._pins:
+                return  # the last unpin unmaps it
         self.seg.close()
+
+
+class LeaseHold:
+    """A remote cache's lease, held by one transfer and ended exactly once.
+
+    Normally it ends when the transfer's bracket closes (:meth:`close`). An engine
+    request that cannot be cancelled (NIXL over UCX's tcp transport: its bytes keep
+    moving after an abort) is handed to a reaper thread; the reaper :meth:`keep` s the
+    lease, and it ends only when both the bracket closed and every kept request ended.
+    So the owner's free waits for (or refuses, ``LLM_LINK_BUSY``) memory an aborted
+    request may still read or write, exactly as for a running one.
+
+    ``end`` runs on whichever thread lets go last (the loop, a worker or a reaper).
+    """
+
+    __slots__ = ("_end", "_kept", "_lock", "_open")
+
+    def __init__(self, end: Callable[[], None]) -> None:
+        self._lock = threading.Lock()
+        self._end: Callable[[], None] | None = end
+        self._kept = 0
+        self._open = True
+
+    def keep(self) -> Callable[[], None]:
+        """Keeps the lease past :meth:`close`; the returned callable lets go (call it once)."""
+        with self._lock:
+            if self._end is None:
+                raise AssertionError("keep() after the lease ended")
+            self._kept += 1
+        return self._let_go
+
+    @property
+    def kept(self) -> int:
+        """Requests that keep it (handed to reapers, not ended yet)."""
+        return self._kept
+
+    def _let_go(self) -> None:
+        with self._lock:
+            self._kept -= 1
+            end = self._take()
+        if end is not None:
+            end()
+
+    def close(self) -> None:
+        """The transfer's bracket is over: ends the lease unless a request keeps it."""
+        with self._lock:
+            self._open = False
+            end = self._take()
+        if end is not None:
+            end()
+
+    def _take(self) -> Callable[[], None] | None:
+        if self._open or self._kept or self._end is None:
+            return None
+        end, self._end = self._end, None
+        return end
+
+    def around(self, job: Callable[[Any], None]) -> Callable[[Any], None]:
+        """``job`` run with this hold as the thread's current one (see :func:`keep_current`)."""
+
+        def run(control: Any) -> None:
+            with holding(self):
+                job(control)
+
+        return run
+
+
+_current = threading.local()
+
+
+@contextlib.contextmanager
+def holding(hold: LeaseHold) -> Any:
+    """The lease ``hold`` is this thread's current one for the body."""
+    prev = getattr(_current, "hold", None)
+    _current.hold = hold
+    try:
+        yield
+    finally:
+        _current.hold = prev
+
+
+def keep_current() -> Callable[[], None] | None:
+    """Where an aborted engine request goes to a reaper thread: keeps the lease the
+    transfer running on this thread holds until the returned callable is called (None:
+    no lease is held here)."""
+    hold: LeaseHold | None = getattr(_current, "hold", None)
+    return hold.keep() if hold is not None else None
+
+
+def page_lease(page: LeasePage, addr: int) -> LeaseHold:
+    """The hold of a lease entered at ``addr`` of ``page``: it pins the page until the
+    lease is left (a kept lease may outlive the link's use of the page)."""
+    page.pin()
+    return LeaseHold(functools.partial(_exit_pinned, page, addr))
+
+
+def _exit_pinned(page: LeasePage, addr: int) -> None:
+    try:
+        _native.lease_exit(addr)
+    finally:
+        page.unpin()
 
 
 def leased(
@@ -153,12 +290,19 @@ def leased(
     api = api or current_api()
     addr = page.addr(slot, api)
 
-    # ``_page`` keeps the page mapped for as long as the job can run.
+    # ``_page`` keeps the page mapped for as long as the job can run (and the hold pins it
+    # for as long as a request it handed to a reaper keeps the lease).
     def run(control: _native.Control, _page: LeasePage = page) -> None:
         if not _native.lease_enter(addr, gen):
             raise _stale(api, cache_id)
         try:
-            job(control)
+            hold = page_lease(page, addr)
+        except BaseException:
+            _native.lease_exit(addr)
+            raise
+        try:
+            with holding(hold):
+                job(control)
             if _native.lease_gen(addr) != gen:
                 raise failure(
                     LLMStatusCode.LLM_FAILED,
@@ -167,7 +311,7 @@ def leased(
                     api=api,
                 )
         finally:
-            _native.lease_exit(addr)
+            hold.close()
 
     return run
 

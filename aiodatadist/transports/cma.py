@@ -85,7 +85,7 @@ class CmaPath(Path):
         )
 
         def alive() -> bool:
-            return not fds.closed and fds.page is page and not page.seg.closed
+            return not fds.closed and fds.page is page and not page.closed
 
         return CopyLane(DataPath.CMA, copy, alive, remote.cache_id, keep=(page,))
 

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _engine_lease, _native
 from .._executor import ONE_SIDED_INLINE_MAX_BYTES
-from .._leases import LeaseStale, leased
+from .._leases import LeaseHold, LeaseStale, leased, page_lease
 from ..config import DataPath
 from ..errors import LLMException, LLMStatusCode, failure
 from .base import Call, Lane, Path
@@ -383,11 +383,13 @@ class EnginePath(Path):
         remote: CacheEntry,
         local: CacheEntry,
         lease: tuple[LeasePage, int, int] | None,
+        held: LeaseHold | None = None,
     ) -> bool:
         """A small pull submitted on the loop thread and waited for on the executor
         (:meth:`EngineConn.begin`), under the lease page's lease when ``lease`` is given
-        (else the caller holds a control-plane lease); False: the engine did not take it
-        (nothing submitted)."""
+        (else the caller holds ``held``, a control-plane lease); False: the engine did not
+        take it (nothing submitted). Requests abandoned in flight keep the lease until
+        they end (``Begun.abandon``)."""
         conn = self._conn
         if conn is None or not conn.begins or plan.total_bytes > ONE_SIDED_INLINE_MAX_BYTES:
             return False
@@ -413,11 +415,17 @@ class EnginePath(Path):
                 _native.lease_exit(addr)
             return False
         if lease is not None:
-            begun.on_end = functools.partial(lease_end, lease[0], addr, lease[2], remote)
+            try:
+                hold = page_lease(lease[0], addr)
+            except BaseException:
+                _native.lease_exit(addr)
+                raise
+            begun.on_end = functools.partial(lease_end, hold, addr, lease[2], remote)
         try:
             await call.run(begun.job)
         finally:
-            begun.abandon(local)  # (nothing to do once the job ran)
+            # (nothing to do once the job ran)
+            begun.abandon(local, held.keep if held is not None else None)
         return True
 
     async def _run(
@@ -449,9 +457,10 @@ class EnginePath(Path):
                 fair=True,
             )
             return
-        async with _engine_lease.remote_lease(self.peer, remote, call.deadline):
-            if not begin or not await self._begin(call, plan, remote, local, None):
-                await call.run(job)
+        async with _engine_lease.remote_lease(self.peer, remote, call.deadline) as held:
+            # (A request handed to a reaper keeps it past the body: ``LeaseHold``.)
+            if not begin or not await self._begin(call, plan, remote, local, None, held):
+                await call.run(held.around(job))
 
     def _inline(self, remote: CacheEntry, local: CacheEntry) -> bool:
         conn = self._conn
@@ -468,7 +477,7 @@ class EnginePath(Path):
         (the link's fd channel and the peer's lease page are up), host memory, and a
         connection whose small reads were seen to complete inside the post."""
         fds, conn = self.fds, self._conn
-        if fds is None or fds.closed or fds.page is None or fds.page.seg.closed:
+        if fds is None or fds.closed or fds.page is None or fds.page.closed:
             return None
         if conn is None or remote.lease is None or not self._inline(remote, local):
             return None

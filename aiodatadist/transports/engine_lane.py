@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import _native
 from .._executor import ONE_SIDED_INLINE_MAX_BYTES
+from .._leases import LeaseHold, holding, page_lease
 from ..errors import LLMStatusCode, failure
 from .base import Lane
 
@@ -94,13 +95,16 @@ class Begun(abc.ABC):
         finally:
             self._end(True)
 
-    def abandon(self, local: CacheEntry) -> None:
+    def abandon(
+        self, local: CacheEntry, keep: Callable[[], Callable[[], None]] | None = None
+    ) -> None:
         """Unless :meth:`job` ran: the requests may still write into ``local``, which is
-        fenced (``CacheEntry.fence``) until a thread of its own saw them end (a READ's
-        lease ends at once, as after an aborted NIXL request: see ``nixl.py``)."""
+        fenced (``CacheEntry.fence``) until a thread of its own saw them end; the lease
+        ends then too (``on_end``, or ``keep``'s: a control-plane lease's
+        ``LeaseHold.keep``), as after an aborted NIXL request (see ``nixl.py``)."""
         if not self._claim():
             return
-        self._end(False)
+        let_go = keep() if keep is not None else None
         local.fence()
         control = _native.Control()
         control.abort()
@@ -112,13 +116,17 @@ class Begun(abc.ABC):
                 pass  # aborted, or failed: either way over
             finally:
                 local.unfence()
+                self._end(False)
+                if let_go is not None:
+                    let_go()
 
         threading.Thread(target=wait, name="aiodatadist-engine-reaper", daemon=True).start()
 
 
-def lease_end(page: LeasePage, addr: int, gen: int, remote: CacheEntry, done: bool) -> None:
-    """Ends a begun transfer's lease (``page`` stays referenced, so mapped, until then);
-    ``done``: the transfer ended, so its bytes are checked to have been read under it."""
+def lease_end(hold: LeaseHold, addr: int, gen: int, remote: CacheEntry, done: bool) -> None:
+    """Ends a begun transfer's lease (``hold``: :func:`~aiodatadist._leases.page_lease`,
+    which keeps the page mapped until then); ``done``: the transfer ended, so its bytes
+    are checked to have been read under it."""
     try:
         if done and _native.lease_gen(addr) != gen:
             raise failure(
@@ -127,7 +135,7 @@ def lease_end(page: LeasePage, addr: int, gen: int, remote: CacheEntry, done: bo
                 "unregistered, freed or re-registered): the bytes copied are not valid",
             )
     finally:
-        _native.lease_exit(addr)
+        hold.close()
 
 
 class EngineLane(Lane):
@@ -174,7 +182,7 @@ class EngineLane(Lane):
             and path.fds is fds
             and not fds.closed
             and fds.page is self.page
-            and not self.page.seg.closed
+            and not self.page.closed
             and not self.local.late_writes
         )
 
@@ -208,11 +216,17 @@ class EngineLane(Lane):
             if req is None:
                 return 0
         addr, gen = self.addr, self.gen
-        if self.page.seg.closed or not _native.lease_enter(addr, gen):
+        if self.page.closed or not _native.lease_enter(addr, gen):
             return 0  # re-registered or freed: nothing moved (the whole path refreshes)
         try:
-            if not self.conn.post_inline(req):
-                return 0
+            hold = page_lease(self.page, addr)  # (kept by a request that goes to a reaper)
+        except BaseException:
+            _native.lease_exit(addr)
+            raise
+        try:
+            with holding(hold):
+                if not self.conn.post_inline(req):
+                    return 0
             if _native.lease_gen(addr) != gen:
                 raise failure(
                     LLMStatusCode.LLM_FAILED,
@@ -222,7 +236,7 @@ class EngineLane(Lane):
                 )
             return req.nbytes
         finally:
-            _native.lease_exit(addr)
+            hold.close()
 
     def close(self) -> None:
         self._reqs.clear()  # (the connection owns and releases the requests)

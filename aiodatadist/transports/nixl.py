@@ -29,7 +29,9 @@ What NIXL 1.5.1 does here (checked on this host: UCX over CMA, two processes):
   stays held (free and re-registration refuse with ``LLM_LINK_BUSY``) and every transfer
   or copy that would write into it refuses with ``LLM_LINK_BUSY``, so no later success
   can be overwritten by the aborted transfer's bytes. Only the blocks the aborted call
-  named are undefined, as the API says.
+  named are undefined, as the API says. The remote cache's lease is kept until then
+  too (``_leases.LeaseHold``: the reaper lets go of it), so its owner cannot free or
+  re-bind memory the request may still read or write (a WRITE lands in the owner's).
 * UCX over CMA moves a request *inside* ``postXferReq`` (256 MiB: ~100 ms in the post
   call, nothing to abort). A transfer is therefore cut into requests of
   :data:`~.nixl_descs.CHUNK_BYTES`; the abort (deadline, cancel) is checked between them, so it
@@ -64,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _native
 from .._executor import ONE_SIDED_INLINE_MAX_BYTES
+from .._leases import keep_current
 from ..config import DataPath
 from ..errors import LLMException, LLMStatusCode, failure
 from .engine import (
@@ -124,9 +127,13 @@ def _paced_agent(nixl_agent: Any, name: str, cfg: Any) -> Any:
 
 def _reap(conn: NixlConn, h: Any, local: CacheEntry, op: str) -> None:
     """Waits (on a thread of its own) for an aborted request still in flight to end, with
-    ``local`` fenced meanwhile (see the module docstring). The connection keeps the
-    peer's agent until then (closing it early would hide the request's state)."""
+    ``local`` fenced and the remote cache's lease kept meanwhile (see the module
+    docstring). The connection keeps the peer's agent until then (closing it early would
+    hide the request's state)."""
     nx = conn.nx
+    # The lease the transfer holds (this thread's: ``_leases.holding``) outlives the call
+    # until the request ended: the owner's free waits for it, as for a running transfer.
+    let_go = keep_current()
     local.fence()
     with conn._lock:
         conn._reaping += 1
@@ -149,6 +156,8 @@ def _reap(conn: NixlConn, h: Any, local: CacheEntry, op: str) -> None:
                 pass
         finally:
             local.unfence()
+            if let_go is not None:
+                let_go()
             log.debug("NIXL: aborted %s over; cache %d takes transfers again", op, local.cache_id)
             with conn._lock:
                 conn._reaping -= 1

@@ -152,7 +152,7 @@ class ShmPath(Path):
             return (
                 not fds.closed
                 and fds.page is page
-                and not page.seg.closed
+                and not page.closed
                 and maps.get(key) is seg
                 and not seg.closed
             )

@@ -4,8 +4,10 @@ Over UCX's tcp transport a READ already sent keeps delivering bytes after the re
 released (and after the peer's agent is removed): seen with the peer stopped mid-pull.
 The call still ends at its deadline; until the request is over the destination cache
 takes no transfer that writes into it (and cannot be freed), so no later success can be
-overwritten by the aborted pull's bytes. Here: both ends on this host with
-``UCX_TLS=tcp`` (UCX's inter-host transport), the prompt SIGSTOPped mid-pull.
+overwritten by the aborted pull's bytes, and the owner's lease stays held, so the owner
+cannot free or re-register memory the request may still read or write. Here: both ends
+on this host with ``UCX_TLS=tcp`` (UCX's inter-host transport), the prompt SIGSTOPped
+mid-transfer.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import time
 import numpy as np
 import pytest
 
-from aiodatadist import BlocksCacheKey, LLMException, LLMStatusCode
+from aiodatadist import BlocksCacheKey, DataPath, LLMException, LLMStatusCode, _engine_lease
+from aiodatadist import _native as native
 from tests._engines import require_engine
 from tests.xproc import xproc_common as xc
 from tests.xproc.xproc_harness import Harness, link
@@ -132,3 +135,83 @@ async def test_finalize_waits_for_an_aborted_request_still_on_the_wire(
             r[...] = 0x33
         await asyncio.sleep(0.5)
         assert all(bool((r == 0x33).all()) for r in raw)  # nothing after finalize
+
+
+@pytest.mark.parametrize(
+    ("op", "lease"), [("pull", "lease-page"), ("push", "control-lease")], ids=lambda v: v
+)
+async def test_an_aborted_request_in_flight_keeps_the_owners_lease(
+    monkeypatch: pytest.MonkeyPatch, op: str, lease: str
+) -> None:
+    """Until the reaped request ended, the owner's cache stays leased: its lease page
+    counts us as a reader, or the control-plane lease is not released (no UNLEASE), so
+    the owner's free waits (or refuses) instead of freeing memory the request may still
+    read (a pull) or write (a push)."""
+    require_engine("nixl")
+    nixl = {"aiodatadist.DataPath": "nixl", "llm.SyncKvCacheWaitTime": "5000"}
+    spec = xc.big_spec(MIB)
+    unleased: list[int] = []
+    real_unlease = _engine_lease._unlease
+
+    async def spy(peer: object, req: int) -> None:
+        unleased.append(req)
+        await real_unlease(peer, req)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_engine_lease, "_unlease", spy)
+    async with Harness() as h:
+        prompt = await h.peer(
+            cluster_id=PROMPT, data_path="nixl", big_mib=MIB, env=TCP_ONLY, seed=3
+        )
+        monkeypatch.setenv("UCX_TLS", "tcp")
+        dd, _ = await h.local(DECODER, nixl)
+        monkeypatch.delenv("UCX_TLS")
+        cm = dd.cache_manager
+        nbytes = (spec.shape[0], spec.shape[1] * 2)
+        raw = [np.full(nbytes, 0x11, np.uint8) for _ in range(2)]
+        ours = cm.register_blocks_cache(spec.desc(), [r.view(np.float16) for r in raw])
+        await link(dd, prompt, PROMPT)
+        lk = dd._rt.links.find(PROMPT)
+        ep = lk.path.engines[DataPath.NIXL]
+        await asyncio.wait_for(lk.path.fds_settled.wait(), 5)
+        page = await ep.fds.peer_page(asyncio.get_running_loop().time() + 5)
+        if lease == "control-lease":
+            ep.fds = None  # test-only: as between hosts (test_engine_xproc.py)
+        key = BlocksCacheKey(PROMPT, xc.MODEL_BIG)
+        remote = lk.path.remote_table.blocks(xc.MODEL_BIG)
+        addr = page.addr(remote.lease[0])
+        blocks = list(range(spec.shape[0]))
+        await cm.pull_blocks(key, ours, [0], [0], timeout=10)  # connects
+        move = cm.pull_blocks if op == "pull" else cm.push_blocks
+        await asyncio.sleep(0.1)  # (the connecting pull's UNLEASE is out)
+        unleased.clear()
+        task = asyncio.ensure_future(move(key, ours, blocks, blocks, timeout=0.5))
+        await asyncio.sleep(0.03)
+        os.kill(prompt.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(LLMException) as e:
+                await task
+            assert e.value.status_code == LLMStatusCode.LLM_TIMEOUT
+            entry = cm._caches.entries[ours.cache_id]
+            assert entry.late_writes == 1, "no request was in flight at the stop"
+            await asyncio.sleep(0.2)
+            # Returned at its deadline, and the owner's cache is still leased.
+            if lease == "lease-page":
+                assert native.lease_readers(addr) == 1
+            else:
+                assert unleased == [], "UNLEASE sent with a request still in flight"
+        finally:
+            os.kill(prompt.pid, signal.SIGCONT)
+        for _ in range(1000):  # the request ends once the prompt runs again
+            if not entry.late_writes:
+                break
+            await asyncio.sleep(0.01)
+        assert entry.late_writes == 0
+        for _ in range(100):
+            if native.lease_readers(addr) == 0 and (lease == "lease-page" or unleased):
+                break
+            await asyncio.sleep(0.01)
+        assert native.lease_readers(addr) == 0  # let go once the request ended
+        if lease == "control-lease":
+            assert len(unleased) == 1, unleased
+        assert (await prompt.ok("free", name="big"))["ok"]  # no lease left behind
+        cm.unregister_cache(ours.cache_id)
