@@ -13,6 +13,7 @@ page and with the control-plane lease (as between hosts).
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 from typing import Any
 
@@ -22,6 +23,7 @@ import pytest
 from aiodatadist import BlocksCacheKey, DataPath, LLMException, _native
 from aiodatadist import LLMStatusCode as S
 from aiodatadist.testing import engine_unavailable
+from tests._procs import stop_now
 from tests.xproc import xproc_common as xc
 from tests.xproc.xproc_harness import Harness, PeerProc, decoder_options, link, until
 
@@ -169,3 +171,53 @@ async def test_a_begun_pull_whose_job_never_ran(how: str, control_lease: bool) -
         before = fill(reg, 0x42)
         await pull(dd, reg, [2, 6], [3, 4], 5.0)
         np.testing.assert_array_equal(reg.matrix(), expect(before, [2, 6], [3, 4]))
+
+
+@pytest.mark.asyncio
+async def test_an_abandoned_pull_still_in_flight_keeps_the_owners_lease() -> None:
+    """As above with the owner stopped, so the abandoned request stays in flight: until it
+    ended the owner's cache stays leased (its lease page counts us as a reader), so the
+    owner cannot free or re-bind memory the request still reads; it used to be let go
+    as the call returned."""
+    async with Harness() as h:
+        dd, local, prompt = await linked(h, False)
+        reg = local["reg"]
+        await pull(dd, reg, [0], [0], 5.0)  # connects
+        mine = dd._rt.caches.entries[reg.cache.cache_id]
+        lk = dd._rt.links.find(PROMPT)
+        page = await lk.path.engines[DataPath.MOONCAKE].fds.peer_page(
+            asyncio.get_running_loop().time() + 5
+        )
+        addr = page.addr(lk.path.remote_table.blocks(xc.MODEL_REG).lease[0])
+        ex = dd._rt.executor
+        gate = threading.Event()
+        started = threading.Semaphore(0)
+
+        def block(_control: _native.Control) -> None:
+            started.release()
+            gate.wait(10)
+
+        busy = [ex.submit(block, _native.Control()) for _ in ex.threads]
+        for _ in busy:
+            await asyncio.to_thread(started.acquire, True, 5)
+        stop_now(prompt.pid)
+        try:
+            task = asyncio.create_task(pull(dd, reg, [5], [1], 0.05))
+            await asyncio.sleep(0.1)  # the deadline passes in the queue
+            asyncio.get_running_loop().call_later(0.1, gate.set)
+            with pytest.raises(LLMException) as got:
+                await task
+            assert got.value.status_code == S.LLM_TIMEOUT, got.value
+            await asyncio.sleep(0.2)
+            assert mine.late_writes == 1  # abandoned, its request in flight: fenced
+            assert _native.lease_readers(addr) == 1  # and the owner's cache still leased
+        finally:
+            gate.set()
+            prompt.kill(signal.SIGCONT)
+            await asyncio.gather(*busy)
+        await until(lambda: not mine.late_writes, 10, "the local cache unfenced")
+        await until(lambda: _native.lease_readers(addr) == 0, 5, "the lease let go")
+        r = await prompt.call(
+            "cycle", name="reg", model_id=xc.MODEL_REG, seeds=[SEED * 16 + 2], fill=0x5A
+        )
+        assert r.get("ok") and r["busy"] == 0, r
