@@ -425,9 +425,6 @@ class EnginePath(Path):
                 _native.lease_exit(addr)
                 raise
             begun.on_end = functools.partial(lease_end, hold, addr, lease[2], remote)
-            begun.hold = hold
-        else:
-            begun.hold = held
         try:
             await call.run(begun.job)
         finally:

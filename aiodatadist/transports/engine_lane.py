@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import abc
-import contextlib
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -66,15 +65,12 @@ class Begun(abc.ABC):
     Attributes:
         on_end: called once the engine is done with the requests (``True``), or once
             abandoned ones ended (``False``): ends the lease the caller took.
-        hold: the caller's lease (a :class:`~aiodatadist._leases.LeaseHold`), current
-            while the job waits: requests an abort hands to a reaper keep it.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._claimed = False
         self.on_end: Callable[[bool], None] | None = None
-        self.hold: LeaseHold | None = None
 
     @abc.abstractmethod
     def _wait(self, control: _native.Control) -> None:
@@ -95,8 +91,7 @@ class Begun(abc.ABC):
         if not self._claim():
             raise _native.NativeError(_native.Status.ABORTED, "transfer abandoned")
         try:
-            with holding(self.hold) if self.hold is not None else contextlib.nullcontext():
-                self._wait(control)
+            self._wait(control)
         finally:
             self._end(True)
 
@@ -110,26 +105,20 @@ class Begun(abc.ABC):
         if not self._claim():
             return
         let_go = keep() if keep is not None else None
-
-        def end() -> None:  # once the wait, and what it handed to a reaper, are over
-            self._end(False)
-            if let_go is not None:
-                let_go()
-
-        hold = LeaseHold(end)
         local.fence()
         control = _native.Control()
         control.abort()
 
         def wait() -> None:
             try:
-                with holding(hold):
-                    self._wait(control)
+                self._wait(control)
             except BaseException:
                 pass  # aborted, or failed: either way over
             finally:
                 local.unfence()
-                hold.close()
+                self._end(False)
+                if let_go is not None:
+                    let_go()
 
         threading.Thread(target=wait, name="aiodatadist-engine-reaper", daemon=True).start()
 
