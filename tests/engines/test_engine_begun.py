@@ -71,6 +71,23 @@ def expect(before: np.ndarray, src: list[int], dst: list[int]) -> np.ndarray:
     return xc.expect_blocks(before, xc.reference(SEED, "reg"), UNIT, src, dst, (0, 0, 1))
 
 
+async def occupy_workers(dd: Any) -> tuple[list[Any], threading.Event]:
+    """Every worker of ``dd``'s executor blocked until the returned event is set (and
+    their futures, to await after): a job queued now waits in the queue."""
+    ex = dd._rt.executor
+    gate = threading.Event()
+    started = threading.Semaphore(0)
+
+    def block(_control: _native.Control) -> None:
+        started.release()
+        gate.wait(10)
+
+    busy = [ex.submit(block, _native.Control()) for _ in ex.threads]
+    for _ in busy:
+        await asyncio.to_thread(started.acquire, True, 5)
+    return busy, gate
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("control_lease", [False, True], ids=["lease-page", "control-lease"])
 async def test_small_pulls_are_begun_on_the_loop_and_exact(control_lease: bool) -> None:
@@ -125,17 +142,7 @@ async def test_a_begun_pull_whose_job_never_ran(how: str, control_lease: bool) -
 
         conn.begin = spy
         # Every worker of the executor busy: the pull's job waits in the queue.
-        ex = dd._rt.executor
-        gate = threading.Event()
-        started = threading.Semaphore(0)
-
-        def block(_control: _native.Control) -> None:
-            started.release()
-            gate.wait(10)
-
-        busy = [ex.submit(block, _native.Control()) for _ in ex.threads]
-        for _ in busy:
-            await asyncio.to_thread(started.acquire, True, 5)
+        busy, gate = await occupy_workers(dd)
         before = fill(reg, 0x41)
         task = asyncio.create_task(pull(dd, reg, [5], [1], 0.05 if how == "deadline" else 5.0))
         try:
@@ -189,17 +196,7 @@ async def test_an_abandoned_pull_still_in_flight_keeps_the_owners_lease() -> Non
             asyncio.get_running_loop().time() + 5
         )
         addr = page.addr(lk.path.remote_table.blocks(xc.MODEL_REG).lease[0])
-        ex = dd._rt.executor
-        gate = threading.Event()
-        started = threading.Semaphore(0)
-
-        def block(_control: _native.Control) -> None:
-            started.release()
-            gate.wait(10)
-
-        busy = [ex.submit(block, _native.Control()) for _ in ex.threads]
-        for _ in busy:
-            await asyncio.to_thread(started.acquire, True, 5)
+        busy, gate = await occupy_workers(dd)
         stop_now(prompt.pid)
         try:
             task = asyncio.create_task(pull(dd, reg, [5], [1], 0.05))

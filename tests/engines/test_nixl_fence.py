@@ -16,6 +16,7 @@ import asyncio
 import os
 import signal
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,30 +32,37 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 PROMPT, DECODER = 85, 86
 MIB = 256
 TCP_ONLY = {"UCX_TLS": "tcp"}
+KEY = BlocksCacheKey(PROMPT, xc.MODEL_BIG)
+BLOCKS = list(range(xc.big_spec(MIB).shape[0]))
+
+
+async def _linked_over_tcp(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Any, Any, Any, list[np.ndarray]]:
+    """The prompt (its "big" cache) and a decoder, both NIXL over UCX's tcp transport,
+    linked, with a cache of ours (0x11) connected by a one-block pull: (prompt, dd, our
+    cache, its bytes)."""
+    require_engine("nixl")
+    nixl = {"aiodatadist.DataPath": "nixl", "llm.SyncKvCacheWaitTime": "5000"}
+    spec = xc.big_spec(MIB)
+    prompt = await h.peer(cluster_id=PROMPT, data_path="nixl", big_mib=MIB, env=TCP_ONLY, seed=3)
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read when this process's agent starts
+    dd, _ = await h.local(DECODER, nixl)
+    monkeypatch.delenv("UCX_TLS")
+    nbytes = (spec.shape[0], spec.shape[1] * 2)  # fp16 blocks of 1 MiB
+    raw = [np.full(nbytes, 0x11, np.uint8) for _ in range(2)]
+    ours = dd.cache_manager.register_blocks_cache(spec.desc(), [r.view(np.float16) for r in raw])
+    await link(dd, prompt, PROMPT)
+    await dd.cache_manager.pull_blocks(KEY, ours, [0], [0], timeout=10)  # connects
+    return prompt, dd, ours, raw
 
 
 async def test_an_aborted_pull_in_flight_fences_its_destination(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    require_engine("nixl")
-    nixl = {"aiodatadist.DataPath": "nixl", "llm.SyncKvCacheWaitTime": "5000"}
-    spec = xc.big_spec(MIB)
     async with Harness() as h:
-        prompt = await h.peer(
-            cluster_id=PROMPT, data_path="nixl", big_mib=MIB, env=TCP_ONLY, seed=3
-        )
-        monkeypatch.setenv("UCX_TLS", "tcp")  # read when this process's agent starts
-        dd, _ = await h.local(DECODER, nixl)
-        monkeypatch.delenv("UCX_TLS")
-        cm = dd.cache_manager
-        nbytes = (spec.shape[0], spec.shape[1] * 2)  # fp16 blocks of 1 MiB
-        dst_arrays = [np.full(nbytes, 0x11, np.uint8).view(np.float16) for _ in range(2)]
-        dst = cm.register_blocks_cache(spec.desc(), dst_arrays)
-        raw = [a.view(np.uint8).reshape(-1) for a in dst_arrays]
-        await link(dd, prompt, PROMPT)
-        key = BlocksCacheKey(PROMPT, xc.MODEL_BIG)
-        blocks = list(range(spec.shape[0]))
-        await cm.pull_blocks(key, dst, [0], [0], timeout=10)  # connects
+        prompt, dd, dst, raw = await _linked_over_tcp(h, monkeypatch)
+        cm, key, blocks = dd.cache_manager, KEY, BLOCKS
 
         task = asyncio.ensure_future(cm.pull_blocks(key, dst, blocks, blocks, timeout=0.5))
         await asyncio.sleep(0.03)
@@ -93,24 +101,10 @@ async def test_an_aborted_pull_in_flight_fences_its_destination(
 async def test_finalize_waits_for_an_aborted_request_still_on_the_wire(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    require_engine("nixl")
-    nixl = {"aiodatadist.DataPath": "nixl", "llm.SyncKvCacheWaitTime": "5000"}
-    spec = xc.big_spec(MIB)
     async with Harness() as h:
-        prompt = await h.peer(
-            cluster_id=PROMPT, data_path="nixl", big_mib=MIB, env=TCP_ONLY, seed=3
-        )
-        monkeypatch.setenv("UCX_TLS", "tcp")
-        dd, _ = await h.local(DECODER, nixl)
-        monkeypatch.delenv("UCX_TLS")
-        cm = dd.cache_manager
-        nbytes = (spec.shape[0], spec.shape[1] * 2)
-        raw = [np.full(nbytes, 0x11, np.uint8) for _ in range(2)]
-        dst = cm.register_blocks_cache(spec.desc(), [r.view(np.float16) for r in raw])
-        await link(dd, prompt, PROMPT)
-        key = BlocksCacheKey(PROMPT, xc.MODEL_BIG)
-        blocks = list(range(spec.shape[0]))
-        await cm.pull_blocks(key, dst, [0], [0], timeout=10)
+        prompt, dd, dst, raw = await _linked_over_tcp(h, monkeypatch)
+        cm, key, blocks = dd.cache_manager, KEY, BLOCKS
+
         task = asyncio.ensure_future(cm.pull_blocks(key, dst, blocks, blocks, timeout=0.5))
         await asyncio.sleep(0.03)
         os.kill(prompt.pid, signal.SIGSTOP)
@@ -147,9 +141,6 @@ async def test_an_aborted_request_in_flight_keeps_the_owners_lease(
     counts us as a reader, or the control-plane lease is not released (no UNLEASE), so
     the owner's free waits (or refuses) instead of freeing memory the request may still
     read (a pull) or write (a push)."""
-    require_engine("nixl")
-    nixl = {"aiodatadist.DataPath": "nixl", "llm.SyncKvCacheWaitTime": "5000"}
-    spec = xc.big_spec(MIB)
     unleased: list[int] = []
     real_unlease = _engine_lease._unlease
 
@@ -159,28 +150,17 @@ async def test_an_aborted_request_in_flight_keeps_the_owners_lease(
 
     monkeypatch.setattr(_engine_lease, "_unlease", spy)
     async with Harness() as h:
-        prompt = await h.peer(
-            cluster_id=PROMPT, data_path="nixl", big_mib=MIB, env=TCP_ONLY, seed=3
-        )
-        monkeypatch.setenv("UCX_TLS", "tcp")
-        dd, _ = await h.local(DECODER, nixl)
-        monkeypatch.delenv("UCX_TLS")
+        prompt, dd, ours, _raw = await _linked_over_tcp(h, monkeypatch)
         cm = dd.cache_manager
-        nbytes = (spec.shape[0], spec.shape[1] * 2)
-        raw = [np.full(nbytes, 0x11, np.uint8) for _ in range(2)]
-        ours = cm.register_blocks_cache(spec.desc(), [r.view(np.float16) for r in raw])
-        await link(dd, prompt, PROMPT)
         lk = dd._rt.links.find(PROMPT)
         ep = lk.path.engines[DataPath.NIXL]
         await asyncio.wait_for(lk.path.fds_settled.wait(), 5)
         page = await ep.fds.peer_page(asyncio.get_running_loop().time() + 5)
         if lease == "control-lease":
             ep.fds = None  # test-only: as between hosts (test_engine_xproc.py)
-        key = BlocksCacheKey(PROMPT, xc.MODEL_BIG)
-        remote = lk.path.remote_table.blocks(xc.MODEL_BIG)
-        addr = page.addr(remote.lease[0])
-        blocks = list(range(spec.shape[0]))
-        await cm.pull_blocks(key, ours, [0], [0], timeout=10)  # connects
+        key, blocks = KEY, BLOCKS
+        addr = page.addr(lk.path.remote_table.blocks(xc.MODEL_BIG).lease[0])
+        await cm.pull_blocks(key, ours, [0], [0], timeout=10)  # (under the lease to test)
         move = cm.pull_blocks if op == "pull" else cm.push_blocks
         await asyncio.sleep(0.1)  # (the connecting pull's UNLEASE is out)
         unleased.clear()

@@ -37,6 +37,12 @@ def big() -> tuple[np.ndarray, np.ndarray]:
     return src, dst
 
 
+def _only_first_landed(src: np.ndarray, dst: np.ndarray, done: int) -> None:
+    """Exactly the first ``done`` bytes of the single-tensor copy landed, nothing after."""
+    assert np.array_equal(dst[0, :done], src[0, :done])
+    assert not dst[0, done:].any()
+
+
 def one_segment_plan(nbytes: int) -> n.Plan:
     g = n.Geometry(1, nbytes // (1 << 20), 1 << 20)
     return n.Plan.blocks(g, g, list(range(g.num_blocks)), list(range(g.num_blocks)), 0, 0, 1)
@@ -206,8 +212,7 @@ def test_a_job_ends_at_its_own_deadline_with_nobody_aborting_it(
     done = ctl.bytes_done
     assert done < BIG and done % CHUNK == 0
     if threads == 1:
-        assert np.array_equal(dst[0, :done], src[0, :done])
-        assert not dst[0, done:].any()
+        _only_first_landed(src, dst, done)
 
 
 def test_a_deadline_already_due_moves_nothing_and_reset_clears_it() -> None:
@@ -252,8 +257,7 @@ def test_abort_mid_copy_stops_within_one_chunk(
     if threads == 1:
         # One thread copies in order: exactly the first `done` bytes landed, nothing after.
         assert done % CHUNK == 0
-        assert np.array_equal(dst[0, :done], src[0, :done])
-        assert not dst[0, done:].any()
+        _only_first_landed(src, dst, done)
     time.sleep(0.05)
     assert ctl.bytes_done == done, "progress grew after the mover returned"
 
