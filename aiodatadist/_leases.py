@@ -278,6 +278,8 @@ def leased(
     api: str | None,
     cache_id: int,
     job: Callable[[Any], None],
+    *,
+    keepable: bool = False,
 ) -> Callable[[_native.Control], None]:
     """Wraps a one-sided copy job: enter the lease, copy, check it held, exit.
 
@@ -286,13 +288,35 @@ def leased(
     bytes copied are then not to be trusted). ``api`` (by default the public call
     running now) is taken here: the job runs on a worker thread, outside that call's
     context.
+
+    ``keepable``: the job may hand a request it cannot recall to a reaper, which then
+    keeps the lease (an engine job: :class:`LeaseHold`, :func:`keep_current`); a plain
+    copy (cma, shm) never does, and skips the hold's few microseconds.
     """
     api = api or current_api()
     addr = page.addr(slot, api)
 
-    # ``_page`` keeps the page mapped for as long as the job can run (and the hold pins it
-    # for as long as a request it handed to a reaper keeps the lease).
+    def revoked() -> None:
+        if _native.lease_gen(addr) != gen:
+            raise failure(
+                LLMStatusCode.LLM_FAILED,
+                f"the owner revoked the lease of cache {cache_id} mid-copy (it was "
+                "unregistered, freed or re-registered): the bytes copied are not valid",
+                api=api,
+            )
+
+    # ``_page`` keeps the page mapped for as long as the job can run.
     def run(control: _native.Control, _page: LeasePage = page) -> None:
+        if not _native.lease_enter(addr, gen):
+            raise _stale(api, cache_id)
+        try:
+            job(control)
+            revoked()
+        finally:
+            _native.lease_exit(addr)
+
+    # The hold pins the page for as long as a request handed to a reaper keeps the lease.
+    def run_keepable(control: _native.Control) -> None:
         if not _native.lease_enter(addr, gen):
             raise _stale(api, cache_id)
         try:
@@ -303,17 +327,11 @@ def leased(
         try:
             with holding(hold):
                 job(control)
-            if _native.lease_gen(addr) != gen:
-                raise failure(
-                    LLMStatusCode.LLM_FAILED,
-                    f"the owner revoked the lease of cache {cache_id} mid-copy (it was "
-                    "unregistered, freed or re-registered): the bytes copied are not valid",
-                    api=api,
-                )
+            revoked()
         finally:
             hold.close()
 
-    return run
+    return run_keepable if keepable else run
 
 
 def _pid_dead(pidfd: int | None) -> bool:

@@ -455,7 +455,7 @@ class EnginePath(Path):
             ):
                 return
             await call.run(
-                leased(page, slot, gen, None, remote.cache_id, job),
+                leased(page, slot, gen, None, remote.cache_id, job, keepable=True),
                 local_bytes=plan.total_bytes if inline else -1,
                 inline_max=ONE_SIDED_INLINE_MAX_BYTES,
                 fair=True,
