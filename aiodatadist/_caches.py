@@ -15,18 +15,83 @@ indexed by ``(req_id or prefix_id, model_id)``; every cache by ``cache_id``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+import numpy as np
 
 from . import _native
 from .errors import LLMStatusCode, failure
 from .types import CacheDesc, KvCache
 
-__all__ = ["CacheEntry", "CacheTable", "RowKey", "require_host_memory", "wait_unfenced"]
+__all__ = [
+    "CacheEntry",
+    "CacheTable",
+    "Region",
+    "RowKey",
+    "require_host_memory",
+    "wait_unfenced",
+]
 
 RowKey = tuple[int, int]
 """``(req_id or prefix_id, model_id)`` naming one row of a non-block cache."""
+
+
+class Region:
+    """The bytes one side of a plan touches, as address ranges: what an aborted engine
+    transfer may still write (a fence, :meth:`CacheEntry.fence`) or what a new one would
+    write (checked against the fences, :meth:`CacheEntry.check_no_late_writes`).
+
+    ``Region(None)`` is every byte (a fence whose extent is not known). Otherwise the
+    ranges ``[starts[i], ends[i])`` (absolute addresses: a cache's tensors never overlap,
+    so two sides' regions compare whatever caches they name), sorted by start, with
+    ``reach[i]`` the largest end among the first ``i + 1``.
+    """
+
+    __slots__ = ("ends", "reach", "starts")
+
+    def __init__(self, ranges: tuple[np.ndarray, np.ndarray] | None) -> None:
+        if ranges is None:
+            self.starts = self.ends = self.reach = None
+            return
+        starts, ends = ranges
+        order = np.argsort(starts, kind="stable")
+        self.starts, self.ends = starts[order], ends[order]
+        self.reach = np.maximum.accumulate(self.ends) if len(self.ends) else self.ends
+
+    @classmethod
+    def of(cls, addrs: Sequence[int], plan: _native.Plan, side: Literal["src", "dst"]) -> Region:
+        """The bytes ``plan`` reads (``side="src"``) or writes (``"dst"``) in the cache whose
+        tensors start at ``addrs`` (the plan was checked against its geometry)."""
+        return cls.of_rows(addrs, plan.segments(), side)
+
+    @classmethod
+    def of_rows(cls, addrs: Sequence[int], rows: np.ndarray, side: Literal["src", "dst"]) -> Region:
+        """:meth:`of` from a plan's segments (``Plan.segments()``: rows of src tensor, src
+        offset, dst tensor, dst offset, bytes)."""
+        col = 0 if side == "src" else 2
+        base = np.asarray(addrs, dtype=np.uint64)[rows[:, col].astype(np.intp)]
+        starts = base + rows[:, col + 1]
+        return cls((starts, starts + rows[:, 4]))
+
+    @property
+    def whole(self) -> bool:
+        return self.starts is None
+
+    def overlaps(self, other: Region) -> bool:
+        """Whether a byte lies in both."""
+        if self.whole or other.whole:
+            return True
+        assert self.starts is not None and self.reach is not None
+        assert other.starts is not None and other.ends is not None
+        if not len(self.starts) or not len(other.starts):
+            return False
+        # For each range of ``other``: the last of ours starting before it ends reaches
+        # past its start exactly when one of ours overlaps it.
+        last = np.searchsorted(self.starts, other.ends, side="left") - 1
+        hit = last >= 0
+        return bool(np.any(self.reach[last[hit]] > other.starts[hit]))
 
 
 @dataclass(eq=False)
@@ -59,9 +124,10 @@ class CacheEntry:
     buffers: list[Any] | None = None
     segment: _native.ShmSegment | None = None
     freed: bool = False
-    # Aborted engine requests that may still write into this cache (transports/nixl.py):
-    # while any is out the cache is held and takes no transfer that writes into it.
-    late_writes: int = 0
+    # What aborted engine requests may still write into this cache (transports/nixl.py,
+    # mooncake.py), one Region per request: while any is out the cache is held (no free)
+    # and takes no transfer that touches those bytes.
+    _fences: list[Region] = field(default_factory=list, repr=False)
     # A free refused while transfers held it: until then (monotonic), no new control-plane
     # lease is granted on it (_engine_lease.py), so a retried free can succeed.
     no_leases_until: float = 0.0
@@ -119,33 +185,48 @@ class CacheEntry:
         with self._lock:
             self._busy -= 1
 
-    def fence(self) -> None:
-        """An aborted transfer may still write into this cache: hold it (no free) and
-        refuse writes into it (:meth:`check_no_late_writes`) until :meth:`unfence`."""
+    @property
+    def late_writes(self) -> int:
+        """Aborted engine transfers that may still write into this cache (its fences)."""
+        return len(self._fences)
+
+    def fence(self, region: Region | None = None) -> Region:
+        """An aborted transfer may still write ``region`` of this cache (None: anywhere in
+        it): hold the cache (no free) and refuse transfers that touch those bytes
+        (:meth:`check_no_late_writes`) until :meth:`unfence` with the value returned."""
+        token = Region(None) if region is None else region
         with _FENCES, self._lock:
             self._busy += 1
-            self.late_writes += 1
+            self._fences.append(token)
+        return token
 
-    def unfence(self) -> None:
+    def unfence(self, token: Region) -> None:
         with _FENCES, self._lock:
+            self._fences.remove(token)  # (by identity: a Region has no __eq__)
             self._busy -= 1
-            self.late_writes -= 1
             _FENCES.notify_all()
 
-    def check_no_late_writes(self, api: str | None = None) -> None:
-        """Refuses a write into this cache while an aborted transfer may still land in it.
+    def check_no_late_writes(self, api: str | None = None, *regions: Region) -> None:
+        """Refuses a transfer that touches bytes an aborted one may still write: any of
+        ``regions`` (none given: anywhere in this cache) overlapping a fence.
 
         Raises:
             LLMLinkError: LLM_LINK_BUSY.
         """
-        if self.late_writes:
-            raise failure(
-                LLMStatusCode.LLM_LINK_BUSY,
-                f"cache {self.cache_id}: a cancelled or timed-out engine transfer into it is "
-                "still in flight (its peer has not finished it) and could overwrite what "
-                "lands now; it takes transfers again once that one ends",
-                api=api,
-            )
+        fences = self._fences
+        if not fences:
+            return
+        fences = list(fences)  # (a reaper thread may end one meanwhile)
+        if regions and not any(f.overlaps(r) for f in fences for r in regions):
+            return
+        raise failure(
+            LLMStatusCode.LLM_LINK_BUSY,
+            f"cache {self.cache_id}: an engine transfer that was cancelled or timed out is "
+            "still in flight (its peer has not finished it) and may still write into blocks "
+            "this call touches, overwriting what lands now; those take transfers again once "
+            "it ended (the cache's other blocks take them meanwhile)",
+            api=api,
+        )
 
     def mark_freed(self) -> None:
         """Marks the entry unusable; refuses while transfers still use it.

@@ -211,12 +211,13 @@ class FastPulls:
             or link.slot.waiting
             or link.path.remote_table.version != r.version
             or local.freed
-            or local.late_writes
             or _metrics.tracer is not None
             or not lane.usable()
         ):
             self._drop(r)
             return False
+        if local.late_writes:
+            return False  # (the whole path checks the blocks against the fences; lane kept)
         nbytes = len(dst_blocks) * r.block_span
         if not 0 < nbytes <= lane.max_bytes or len(src_blocks) != len(dst_blocks):
             return False  # (a larger pull takes the whole path; the lane stays)

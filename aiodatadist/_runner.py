@@ -24,6 +24,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING
 
 from . import _native
+from ._caches import Region
 from ._leases import LeaseStale
 from ._plan import (
     CopyRequest,
@@ -95,8 +96,9 @@ async def run(rt: Runtime, link: Link, request: Request, cut: LayerCut | None = 
         async with link.exclusive(deadline):
             if link.path.remote_table.version != version:  # the peer re-registered meanwhile
                 remote, moves = plan(request, link.path.remote_table)
-            if not isinstance(request, PushRequest):
-                local.check_no_late_writes()  # (an aborted engine pull may still land)
+            if local.late_writes and not isinstance(request, PushRequest):
+                # An aborted engine pull may still land in the blocks it named.
+                local.check_no_late_writes(None, Region.of(local.addrs, moves, "dst"))
             local.hold()
             try:
                 for retry in (False, True):
@@ -162,8 +164,12 @@ async def copy(rt: Runtime, request: CopyRequest | LocalCopyRequest) -> None:
     m.started += 1
     start = perf_counter()
     try:
-        for entry in holds:
-            entry.check_no_late_writes()
+        if any(entry.late_writes for entry in holds):
+            # An aborted engine pull may still land in the blocks it named: no copy from
+            # or into them.
+            touched = (Region.of(src.addrs, moves, "src"), Region.of(dst.addrs, moves, "dst"))
+            for entry in holds:
+                entry.check_no_late_writes(None, *touched)
         for entry in holds:
             entry.hold()
             held.append(entry)

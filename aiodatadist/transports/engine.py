@@ -14,14 +14,15 @@ Integrity: an engine transfer runs under the remote cache's lease. Same host
 a lease over the control plane (:mod:`aiodatadist._engine_lease`, one round trip
 per transfer): the owner holds the cache until we say the job returned.
 
-Aborts (deadline, cancel): :meth:`EngineConn.read`/``write`` return (raising) only
-once the engine can no longer touch local memory for the transfer, or what it may
-still touch is fenced. NIXL: a transfer is cut into requests of 8 MiB, the abort is
-checked between them (nothing in flight), and a request still on the wire (NIXL cannot
-recall it) goes to a reaper thread: until it ended the local cache is fenced
-(``CacheEntry.fence``) and the remote cache's lease kept (``_leases.LeaseHold``, the
-thread's current one while the job runs); see :mod:`aiodatadist.transports.nixl`.
-Mooncake waits for its requests in flight: see its module.
+Aborts (deadline, cancel): :meth:`EngineConn.read`/``write`` return (raising) at
+once; what the engine cannot recall (a NIXL request on the wire, every Mooncake request
+in flight) goes to a reaper thread, and until it ended the blocks of the local cache it
+may touch are fenced (``CacheEntry.fence``: transfers and copies that touch them, and
+a free, refuse with ``LLM_LINK_BUSY``; the cache's other blocks take transfers) and
+the remote cache's lease kept (``_leases.LeaseHold``, the
+thread's current one while the job runs). NIXL: a transfer is cut into requests of
+8 MiB and the abort is checked between them; see :mod:`aiodatadist.transports.nixl`.
+Mooncake: see its module.
 
 Small pulls (at most ``ONE_SIDED_INLINE_MAX_BYTES``) skip what they can of the executor
 (:mod:`aiodatadist.transports.engine_lane`): on one host, once a connection's small read
@@ -169,8 +170,8 @@ class EngineConn(abc.ABC):
 
         Returns only once every byte landed. Raises ``NativeError(ABORTED)`` once
         ``control`` was aborted and the engine can no longer touch local memory for this
-        transfer, or what it may still touch is fenced and leased until it cannot (NIXL:
-        see the module docstring); ``LLMException`` for an engine failure.
+        transfer, or what it may still touch is fenced and leased until it cannot (see
+        the module docstring); ``LLMException`` for an engine failure.
         """
 
     @abc.abstractmethod
@@ -198,9 +199,10 @@ class EngineAgent(abc.ABC):
     """A same-host transfer of host memory completes inside the engine's post call (NIXL:
     UCX over CMA) when the kernel allows cross-process reads: tiny ones may run inline."""
     abort_wait_s: float = 0.0
-    """How long an aborted transfer may still take to return, at most, because the engine
-    cannot cancel what is in flight (Mooncake): ``finalize`` waits that much longer for
-    running transfers rather than return while the engine may still write into memory."""
+    """How long requests of an aborted transfer may stay in flight, at most, because the
+    engine cannot cancel them (Mooncake): ``finalize`` waits that much longer for running
+    transfers and fenced caches rather than return while the engine may still write into
+    memory."""
 
     @classmethod
     @abc.abstractmethod
@@ -425,11 +427,14 @@ class EnginePath(Path):
                 _native.lease_exit(addr)
                 raise
             begun.on_end = functools.partial(lease_end, hold, addr, lease[2], remote)
+            begun.hold = hold
+        else:
+            begun.hold = held
         try:
             await call.run(begun.job)
         finally:
             # (nothing to do once the job ran)
-            begun.abandon(local, held.keep if held is not None else None)
+            begun.abandon(local, plan, held.keep if held is not None else None)
         return True
 
     async def _run(

@@ -10,11 +10,13 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import _native
+from .._caches import Region
 from .._executor import ONE_SIDED_INLINE_MAX_BYTES
 from .._leases import LeaseHold, holding, page_lease
 from ..errors import LLMStatusCode, failure
@@ -65,12 +67,15 @@ class Begun(abc.ABC):
     Attributes:
         on_end: called once the engine is done with the requests (``True``), or once
             abandoned ones ended (``False``): ends the lease the caller took.
+        hold: the caller's lease (a :class:`~aiodatadist._leases.LeaseHold`), current
+            while the job waits: requests an abort hands to a reaper keep it.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._claimed = False
         self.on_end: Callable[[bool], None] | None = None
+        self.hold: LeaseHold | None = None
 
     @abc.abstractmethod
     def _wait(self, control: _native.Control) -> None:
@@ -91,34 +96,45 @@ class Begun(abc.ABC):
         if not self._claim():
             raise _native.NativeError(_native.Status.ABORTED, "transfer abandoned")
         try:
-            self._wait(control)
+            with holding(self.hold) if self.hold is not None else contextlib.nullcontext():
+                self._wait(control)
         finally:
             self._end(True)
 
     def abandon(
-        self, local: CacheEntry, keep: Callable[[], Callable[[], None]] | None = None
+        self,
+        local: CacheEntry,
+        plan: _native.Plan,
+        keep: Callable[[], Callable[[], None]] | None = None,
     ) -> None:
-        """Unless :meth:`job` ran: the requests may still write into ``local``, which is
-        fenced (``CacheEntry.fence``) until a thread of its own saw them end; the lease
-        ends then too (``on_end``, or ``keep``'s: a control-plane lease's
-        ``LeaseHold.keep``), as after an aborted NIXL request (see ``nixl.py``)."""
+        """Unless :meth:`job` ran: the requests may still write the blocks of ``local``
+        that ``plan`` names, which are fenced (``CacheEntry.fence``) until a thread of
+        its own saw them end; the lease ends then too (``on_end``, or ``keep``'s: a
+        control-plane lease's ``LeaseHold.keep``), as after an aborted NIXL request (see
+        ``nixl.py``)."""
         if not self._claim():
             return
         let_go = keep() if keep is not None else None
-        local.fence()
+
+        def end() -> None:  # once the wait, and what it handed to a reaper, are over
+            self._end(False)
+            if let_go is not None:
+                let_go()
+
+        hold = LeaseHold(end)
+        fence = local.fence(Region.of(local.addrs, plan, "dst"))
         control = _native.Control()
         control.abort()
 
         def wait() -> None:
             try:
-                self._wait(control)
+                with holding(hold):
+                    self._wait(control)
             except BaseException:
                 pass  # aborted, or failed: either way over
             finally:
-                local.unfence()
-                self._end(False)
-                if let_go is not None:
-                    let_go()
+                local.unfence(fence)
+                hold.close()
 
         threading.Thread(target=wait, name="aiodatadist-engine-reaper", daemon=True).start()
 
@@ -183,7 +199,6 @@ class EngineLane(Lane):
             and not fds.closed
             and fds.page is self.page
             and not self.page.closed
-            and not self.local.late_writes
         )
 
     def _prepare(

@@ -37,23 +37,25 @@ the throwaway scripts drove ``TransferEngine`` directly):
   :data:`PEER_QUEUE` (requests in flight per peer segment, over every connection of
   the agent), well below that limit.
 * **No cancel.** Nothing in the Python API cancels a submitted request. On an abort
-  (deadline, cancel) or a failure, no further piece is submitted and every request
-  in flight is polled until Mooncake reports it ended; only then does the call raise.
-  Guarantee after an abort: when :meth:`MooncakeConn.read` / ``write`` returns or
-  raises, Mooncake no longer touches local memory for that transfer. The wait is
-  bounded by what is in flight (at most ``WINDOW * PIECE_BYTES``) and Mooncake's own
-  timeouts: a peer that died (kill -9) fails every request in flight at once (128
-  in flight: the first failure 3-8 ms after the kill, all of them within 1 s); a
-  peer that is alive but stalled fails a request after ``MC_TCP_PROGRESS_TIMEOUT_SEC``
-  (30 s) without progress or ``MC_TCP_STATUS_TIMEOUT_SEC`` (30 s) without a status
-  frame, one request per lane (4 lanes, ``MC_TCP_LANES_PER_PEER``) after another, so
-  the worst case is about ``(WINDOW / 4 + 2) * timeout`` (measured with both timeouts
-  set to 2 s: a 256 MiB pull of a SIGSTOPped peer, aborted after 0.1 s, returned after
-  20 s): a deadline is overrun by that much when the peer freezes mid-transfer. The
-  agent sets both to :data:`STALL_TIMEOUT_S` (5 s) unless the environment sets them,
-  which bounds that overrun at about 50 s.
-  (Under the control-plane lease, between hosts, a peer frozen before the transfer
-  fails the lease within the deadline; frozen mid-transfer, it stalls us the same.)
+  (deadline, cancel) no further piece is submitted and the call raises at once; the
+  requests in flight go to a reaper thread (``_Transfer._hand_off``) that polls them
+  until Mooncake reports each ended, and until then the local bytes those requests may
+  touch are *fenced* (``CacheEntry.fence``: no transfer or copy touches them, a free or
+  re-registration of the cache refuses with ``LLM_LINK_BUSY``; the cache's other blocks,
+  a decoder's KV pool, take transfers as usual) and the remote cache's lease is kept
+  (``_leases.LeaseHold``: the owner's free waits), as for NIXL's requests on the wire.
+  A failure (no abort) waits for the requests in flight before it raises. How long a
+  request stays in flight is bounded by Mooncake's own timeouts: a peer that died
+  (kill -9) fails every request in flight at once (128 in flight: the first failure
+  3-8 ms after the kill, all of them within 1 s); a peer that is alive but stalled fails
+  a request after ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (30 s) without progress or
+  ``MC_TCP_STATUS_TIMEOUT_SEC`` (30 s) without a status frame, one request per lane (4
+  lanes, ``MC_TCP_LANES_PER_PEER``) after another, so the worst case is about
+  ``(WINDOW / 4 + 2) * timeout`` (measured with both timeouts set to 2 s: a 256 MiB
+  pull of a SIGSTOPped peer, aborted after 0.1 s, had its requests failed after 20 s).
+  The agent sets both to :data:`STALL_TIMEOUT_S` (5 s) unless the environment sets
+  them, which bounds a fence at about 50 s (``abort_wait_s``: ``finalize`` waits that
+  long for fenced caches).
   ``MC_TRANSFER_TIMEOUT`` only bounds the Python wrapper's *sync* calls, not used here.
 * **Address checks.** The target checks every incoming request against its own
   registered buffers (``validateTcpAddress``): a read or write of an address outside
@@ -98,6 +100,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _native
+from .._caches import Region
+from .._leases import keep_current
 from ..config import DataPath
 from ..errors import LLMStatusCode, failure
 from .engine import Begun, EngineAgent, EngineConn, EngineUnavailable, on_device
@@ -393,9 +397,11 @@ class _Transfer:
         self.check = te.transfer_check_status
         self.seg, self.queue, self.op = conn.segment, conn._queue, op
         self.remote_id = remote.cache_id
+        self.local = local
         self.flight: deque[int] = deque()
         self.nxt = 0
         self.error = ""
+        self.handed_off = False  # an abort left requests in flight to a reaper
 
     def fill(self, stop: bool, wait: bool = True) -> bool:
         """Submits pieces while the window and the peer's queue allow; True if any."""
@@ -451,6 +457,9 @@ class _Transfer:
                 progressed = self.reap() or progressed
                 if stop and not self.flight:
                     break
+                if control.aborted:
+                    self._hand_off()  # (the call keeps its deadline; see "No cancel")
+                    break
                 if progressed:
                     delay = 20e-6
                     continue
@@ -469,7 +478,7 @@ class _Transfer:
                         time.sleep(1e-3)
                 self.queue.release()
             self.flight.clear()
-        if control.aborted and (self.error or self.nxt < total):
+        if control.aborted and (self.error or self.nxt < total or self.handed_off):
             # The abort (deadline, cancel) is what the caller asked for: it wins over a
             # request that failed meanwhile (a stalled peer's, typically).
             raise _native.NativeError(_native.Status.ABORTED, "transfer aborted")
@@ -478,6 +487,48 @@ class _Transfer:
                 LLMStatusCode.LLM_FAILED,
                 f"{self.error}; remote cache {self.remote_id} at {self.seg}",
             )
+
+    def _hand_off(self) -> None:
+        """An abort with requests in flight: Mooncake cannot cancel them, and a stalled
+        peer ends them only after its timeouts, so a thread of their own waits for them.
+        Until they ended the local bytes they may touch are fenced (no transfer or copy
+        touches them, no free of the cache) and the remote cache's lease is kept (the
+        owner's free waits), as for NIXL's requests on the wire (``nixl.py``); the peer's
+        queue slots are released as each ends."""
+        flight, self.flight = list(self.flight), deque()
+        self.handed_off = True
+        local, queue, check, op = self.local, self.queue, self.check, self.op
+        # What those requests may still touch of ours: their pieces, the window's last
+        # len(flight) submitted (the rest of the cache takes transfers meanwhile).
+        first = self.nxt - len(flight)
+        starts = np.asarray(self.los[first : self.nxt], dtype=np.uint64)
+        where = Region((starts, starts + np.asarray(self.ns[first : self.nxt], dtype=np.uint64)))
+        let_go = keep_current()
+        fence = local.fence(where)
+
+        def wait() -> None:
+            try:
+                for bid in flight:
+                    delay = 1e-4
+                    try:
+                        while check(bid) == 0:
+                            time.sleep(delay)
+                            delay = min(delay * 2, 1e-2)
+                    except Exception:
+                        pass  # the engine gave up on it: over
+                    finally:
+                        queue.release()
+            finally:
+                local.unfence(fence)
+                if let_go is not None:
+                    let_go()
+                log.debug(
+                    "Mooncake: aborted %s over; its blocks of cache %d take transfers again",
+                    op,
+                    local.cache_id,
+                )
+
+        threading.Thread(target=wait, name="aiodatadist-mooncake-reaper", daemon=True).start()
 
 
 class _Begun(Begun):

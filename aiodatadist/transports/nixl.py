@@ -25,11 +25,11 @@ What NIXL 1.5.1 does here (checked on this host: UCX over CMA, two processes):
   ``release_xfer_handle`` returned, and after ``remove_remote_agent`` too. So an abort
   with a request in flight returns at once (the call keeps its deadline) and hands the
   request to a reaper thread that polls it (backoff up to 10 ms) until it ends, then
-  releases it. Until then the local cache is *fenced* (``CacheEntry.late_writes``): it
-  stays held (free and re-registration refuse with ``LLM_LINK_BUSY``) and every transfer
-  or copy that would write into it refuses with ``LLM_LINK_BUSY``, so no later success
-  can be overwritten by the aborted transfer's bytes. Only the blocks the aborted call
-  named are undefined, as the API says. The remote cache's lease is kept until then
+  releases it. Until then the local blocks the aborted call named are *fenced*
+  (``CacheEntry.fence``): the cache stays held (free and re-registration refuse with
+  ``LLM_LINK_BUSY``) and a transfer or copy touching those blocks refuses with
+  ``LLM_LINK_BUSY`` (no later success can be overwritten by the aborted transfer's
+  bytes); its other blocks take transfers. Only the blocks named are undefined. The remote cache's lease is kept until then
   too (``_leases.LeaseHold``: the reaper lets go of it), so its owner cannot free or
   re-bind memory the request may still read or write (a WRITE lands in the owner's).
 * UCX over CMA moves a request *inside* ``postXferReq`` (256 MiB: ~100 ms in the post
@@ -42,7 +42,7 @@ What NIXL 1.5.1 does here (checked on this host: UCX over CMA, two processes):
   small reads inline on the loop thread and offers the fast lane
   (:class:`~aiodatadist.transports.engine_lane.EngineLane`); one that did not (never
   seen over CMA) is polled there for at most :data:`INLINE_WAIT_S`, then reaped as an
-  aborted request (the call fails, the local cache fenced until it ends) and the
+  aborted request (the call fails, its blocks fenced until it ends) and the
   connection's small reads go through the executor again. A small pull of whole blocks
   is a request by indices into lists prepared once per cache (``nixl_descs``); the
   first post of a new request still costs more than posting one again.
@@ -64,7 +64,10 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .. import _native
+from .._caches import Region
 from .._executor import ONE_SIDED_INLINE_MAX_BYTES
 from .._leases import keep_current
 from ..config import DataPath
@@ -125,16 +128,16 @@ def _paced_agent(nixl_agent: Any, name: str, cfg: Any) -> Any:
             bind.nixlAgent = real
 
 
-def _reap(conn: NixlConn, h: Any, local: CacheEntry, op: str) -> None:
+def _reap(conn: NixlConn, h: Any, local: CacheEntry, op: str, where: Region) -> None:
     """Waits (on a thread of its own) for an aborted request still in flight to end, with
-    ``local`` fenced and the remote cache's lease kept meanwhile (see the module
-    docstring). The connection keeps the peer's agent until then (closing it early would
-    hide the request's state)."""
+    the bytes of ``local`` it may touch (``where``) fenced and the remote cache's lease
+    kept meanwhile (see the module docstring). The connection keeps the peer's agent
+    until then (closing it early would hide the request's state)."""
     nx = conn.nx
     # The lease the transfer holds (this thread's: ``_leases.holding``) outlives the call
     # until the request ended: the owner's free waits for it, as for a running transfer.
     let_go = keep_current()
-    local.fence()
+    fence = local.fence(where)
     with conn._lock:
         conn._reaping += 1
 
@@ -155,7 +158,7 @@ def _reap(conn: NixlConn, h: Any, local: CacheEntry, op: str) -> None:
             except Exception:
                 pass
         finally:
-            local.unfence()
+            local.unfence(fence)
             if let_go is not None:
                 let_go()
             log.debug("NIXL: aborted %s over; cache %d takes transfers again", op, local.cache_id)
@@ -482,8 +485,9 @@ class NixlConn(EngineConn):
             # already on the wire over UCX's tcp transport: its bytes kept landing after
             # both (seen between two network namespaces, the peer stopped mid-transfer).
             # So the call returns at its deadline, and the request goes to a reaper that
-            # waits for it to end; until then the local cache is fenced: it stays held
-            # (no free, no re-registration) and takes no transfer that writes into it.
+            # waits for it to end; until then the blocks the call named are fenced: the
+            # cache stays held (no free, no re-registration) and those blocks take no
+            # transfer (the others do).
             self._to_reaper(key, i, h, local, op)
             return True
 
@@ -498,7 +502,11 @@ class NixlConn(EngineConn):
         if handles is not None:
             handles[i] = None  # the reaper owns it now
         self._drop(lambda k: k == key)
-        _reap(self, h, local, op)
+        # Fenced: the blocks the call named on our side (a READ's dst, a WRITE's src).
+        rows = np.frombuffer(key[4], dtype=np.uint64).reshape(-1, 5)
+        _reap(
+            self, h, local, op, Region.of_rows(local.addrs, rows, "dst" if op == "READ" else "src")
+        )
 
     def _failed(
         self, key: tuple[Any, ...], op: str, remote: CacheEntry, error: Exception | None
@@ -534,7 +542,7 @@ class NixlConn(EngineConn):
         """Posts ``req`` once (loop thread). Over UCX's CMA it completes inside the post;
         when it does not (never seen once the connection has ``completes_inline``), it
         is polled for at most :data:`INLINE_WAIT_S`, then handled as an aborted request
-        (reaped, the local cache fenced until it ends) and the call fails; the
+        (reaped, its local blocks fenced until it ends) and the call fails; the
         connection's small reads then go through the executor again."""
         h = req.handles[0]  # type: ignore[attr-defined]  # (an _Inline of this connection)
         if h is None or self._closing:
@@ -560,8 +568,8 @@ class NixlConn(EngineConn):
         raise failure(
             LLMStatusCode.LLM_FAILED,
             f"NIXL READ of remote cache {remote.cache_id} on the fast lane did not complete "
-            f"within {INLINE_WAIT_S * 1e3:g} ms: the blocks named are undefined and cache "
-            f"{req.local.cache_id} takes no transfer until the request ends",
+            f"within {INLINE_WAIT_S * 1e3:g} ms: the blocks named are undefined and take "
+            f"no transfer into cache {req.local.cache_id} until the request ends",
         )
 
     def read(

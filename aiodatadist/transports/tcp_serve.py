@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import _native, _wire
-from .._caches import require_host_memory
+from .._caches import Region, require_host_memory
 from .._leases import LeaseStale
 from ..errors import NATIVE_STATUS_TABLE, LLMException, LLMStatusCode, failure, from_native
 from .tcp_requests import STREAM_MAX_BYTES, ServeStats
@@ -297,17 +297,18 @@ class TcpServing:
         # Device memory is moved by engines only: never read or written here, whatever a
         # peer asks (its table said the cache is on a device).
         require_host_memory("tcp", entry)
-        if not pull:
-            entry.check_no_late_writes(api)  # (an aborted engine pull may still land in it)
         try:
             geo = _native.Geometry(*(int(x) for x in peer_geometry))
             # Every segment is checked against *our* registered geometry: a peer can never
             # make us read or write outside registered memory.
             if pull:
                 return entry, _native.plan_from_segment_bytes(entry.geometry, geo, segments)
-            return entry, _native.plan_from_segment_bytes(geo, entry.geometry, segments)
+            plan = _native.plan_from_segment_bytes(geo, entry.geometry, segments)
         except _native.NativeError as e:
             raise from_native(e, api) from e
+        if entry.late_writes:  # an aborted engine pull may still land in the blocks it named
+            entry.check_no_late_writes(api, Region.of(entry.addrs, plan, "dst"))
+        return entry, plan
 
     async def _move(
         self,

@@ -280,13 +280,15 @@ async def test_timeout_and_cancel_leave_the_link_usable(engine: Engine, how: str
 
 async def test_deadline_aborts_a_big_transfer_and_nothing_lands_after(engine: Engine) -> None:
     """A deadline mid-transfer: LLM_TIMEOUT, and once the call returned the engine writes
-    no more bytes into our cache (NIXL: its requests are cut small and the one in flight
-    waited for; Mooncake: no piece is submitted after the abort and every one in flight
-    was waited for); the link then moves exact bytes again."""
+    no more bytes into our cache, or the cache is fenced until it cannot (NIXL: its
+    requests are cut small and the one in flight waited for; Mooncake: no piece is
+    submitted after the abort, and those in flight go to a reaper); the link then moves
+    exact bytes again."""
     e = engine
     async with Harness() as h:
         dd, local, _prompt = await linked(h, e, big_mib=256)
         big = local["big"]
+        entry = dd.cache_manager._caches.entries[big.cache.cache_id]
         timed_out = 0
         for _ in range(5):
             for v in big.views:
@@ -296,6 +298,7 @@ async def test_deadline_aborts_a_big_transfer_and_nothing_lands_after(engine: En
             except LLMException as exc:
                 assert exc.status_code == S.LLM_TIMEOUT, exc
                 timed_out += 1
+            await until(lambda: not entry.late_writes, 10)
             landed = [int(np.count_nonzero(v)) for v in big.views]
             await asyncio.sleep(0.3)
             assert [int(np.count_nonzero(v)) for v in big.views] == landed, "bytes landed late"
@@ -369,3 +372,94 @@ async def test_mooncake_init_on_ipv6_fails_saying_why() -> None:
         await dd.init({"llm.listenIpInfo": "[::1]:0", **e.options})
     assert ei.value.status_code == S.LLM_FEATURE_NOT_ENABLED, ei.value
     assert "IPv4" in str(ei.value)
+
+
+@pytest.mark.parametrize(
+    ("op", "control_lease"),
+    [("pull", True), ("push", False)],
+    ids=["pull-control-lease", "push-lease-page"],
+)
+async def test_mooncake_keeps_its_deadline_with_the_owner_frozen_mid_transfer(
+    op: str, control_lease: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mooncake cannot cancel, and a frozen peer fails its requests only after the stall
+    timeouts (5 s each here): the call still ends at its deadline. The requests in flight
+    go to a reaper: the bytes of ours they may touch stay fenced (a copy into them is
+    refused, one between blocks the call did not name moves) and the owner's lease held
+    (its page counts us, or no UNLEASE yet) until they ended, so neither side's memory
+    is freed under them; then the link moves exact bytes again and the owner frees its
+    cache. (A pull under the control-plane lease is stopped once its bytes flow, after
+    the LEASE round trip; a push under the lease page is submitted to the owner already
+    stopped.)"""
+    from aiodatadist import _engine_lease
+    from aiodatadist import _native as native
+
+    e = ENGINES["mooncake"]
+    why = engine_unavailable(e.name)
+    if why is not None:
+        pytest.skip(why)
+    unleased: list[int] = []
+    real_unlease = _engine_lease._unlease
+
+    async def spy(peer: Any, req: int) -> None:
+        unleased.append(req)
+        await real_unlease(peer, req)
+
+    async with Harness() as h:
+        dd, local, prompt = await linked(h, e, big_mib=256)
+        lk = dd._rt.links.find(e.prompt)
+        ep = lk.path.engines[DataPath(e.name)]
+        page = await ep.fds.peer_page(asyncio.get_running_loop().time() + 5)
+        if control_lease:
+            ep.fds = None  # test-only: as between hosts (above)
+        addr = page.addr(lk.path.remote_table.blocks(xc.MODEL_BIG).lease[0])
+        big = local["big"]
+        entry = dd.cache_manager._caches.entries[big.cache.cache_id]
+        n = big.spec.shape[0]
+        key = BlocksCacheKey(e.prompt, xc.MODEL_BIG)
+        move = dd.cache_manager.pull_blocks if op == "pull" else dd.cache_manager.push_blocks
+        await move(key, big.cache, [0], [0], timeout=10)  # connected
+        await asyncio.sleep(0.1)  # (its UNLEASE is out)
+        monkeypatch.setattr(_engine_lease, "_unlease", spy)
+        loop = asyncio.get_running_loop()
+        try:
+            blocks = list(range(n - 2))  # (the last two: blocks the call did not name)
+            if op == "pull":
+                for v in big.views:
+                    v[...] = 0
+                task = asyncio.ensure_future(move(key, big.cache, blocks, blocks, timeout=0.5))
+                await until(lambda: any(v[0] for v in big.views) or task.done(), 5)
+                stop_now(prompt.pid)
+            else:
+                stop_now(prompt.pid)
+                task = asyncio.ensure_future(move(key, big.cache, blocks, blocks, timeout=0.5))
+            t0 = loop.time()
+            with pytest.raises(LLMException) as ei:
+                await asyncio.wait_for(task, 10)
+            assert ei.value.status_code == S.LLM_TIMEOUT, ei.value
+            assert loop.time() - t0 < 1.5  # the deadline held (before: the stall timeouts)
+            await asyncio.sleep(0.2)
+            assert entry.late_writes == 1, "no request was in flight at the deadline"
+            if control_lease:
+                assert unleased == [], "UNLEASE sent with requests still in flight"
+            else:
+                assert native.lease_readers(addr) == 1  # still leased
+            # Only what those requests may touch is fenced (some of the blocks the call
+            # named); the cache's other blocks take transfers meanwhile.
+            cm = dd.cache_manager
+            with pytest.raises(LLMException) as busy:
+                await cm.copy_blocks(big.cache, {n - 1: blocks})
+            assert busy.value.status_code == S.LLM_LINK_BUSY, busy.value
+            rows = [v.reshape(n, -1) for v in big.views]  # (block, its bytes) per tensor
+            for t, r in enumerate(rows):
+                r[n - 1] = 0x3C + t
+            await cm.copy_blocks(big.cache, {n - 1: [n - 2]})
+            assert all(bool((r[n - 2] == 0x3C + t).all()) for t, r in enumerate(rows))
+        finally:
+            prompt.kill(signal.SIGCONT)
+        await until(lambda: not entry.late_writes, 30, "the fence lifted")
+        await until(
+            lambda: native.lease_readers(addr) == 0 and (bool(unleased) or not control_lease), 5
+        )
+        await pull_and_check(dd, local["reg"], e.prompt, e.seed, "reg", [2, 3], [3, 2])
+        assert (await prompt.call("free", name="big")).get("ok")  # no lease left behind

@@ -4,9 +4,11 @@ In-process pairs (two ``TransferEngine`` instances talk over loopback TCP like t
 processes) check what the module docstring of ``aiodatadist.transports.mooncake``
 promises: exact bytes for plans far above Mooncake's per-peer queue, several transfers
 to one peer at once, refusals (outside the peer's memory, overlapping or device
-memory), aborts after which nothing lands. A target in a child process checks that
-a transfer waiting on a stopped peer sleeps instead of spinning, and that a killed
-peer fails the transfer.
+memory), aborts that return at once, the local cache fenced until the requests in
+flight ended and nothing landing after. A target in a child process checks that a
+transfer waiting on a stopped peer sleeps instead of spinning, that an abort with the
+peer stopped returns at once (fenced until Mooncake failed the requests), and that a
+killed peer fails the transfer.
 """
 
 from __future__ import annotations
@@ -229,7 +231,14 @@ def test_overlapping_and_device_registrations_are_refused(pair: Pair) -> None:
     pair.conn.read(pair.plan([0], [0]), pair.es, pair.ed, _native.Control())
 
 
-def test_abort_returns_once_nothing_more_lands() -> None:
+def _unfenced(entry: CacheEntry, bound: float) -> bool:
+    end = time.monotonic() + bound
+    while entry.late_writes and time.monotonic() < end:
+        time.sleep(0.005)
+    return not entry.late_writes
+
+
+def test_abort_returns_at_once_fenced_until_nothing_more_lands() -> None:
     p = Pair(256, 1 << 20)  # 2 x 256 MiB
     try:
         plan = p.plan(np.arange(p.nb), np.arange(p.nb))
@@ -246,6 +255,8 @@ def test_abort_returns_once_nothing_more_lands() -> None:
                 assert e.status == _native.Status.ABORTED
                 aborted += 1
             timer.join()
+            # What was in flight may land until the reaper saw it end: fenced till then.
+            assert _unfenced(p.ed, 30)
             landed = [int(np.count_nonzero(b)) for b in p.dst]
             time.sleep(0.3)
             assert [int(np.count_nonzero(b)) for b in p.dst] == landed, "bytes landed late"
@@ -376,12 +387,13 @@ def test_killed_peer_fails_the_transfer_and_nothing_lands_after(
         agent.close()
 
 
-def test_abort_with_a_frozen_peer_returns_after_the_engines_timeouts(
+def test_abort_with_a_frozen_peer_returns_at_once_fenced_until_the_engine_gave_up(
     child: tuple[subprocess.Popen[str], dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No cancel in Mooncake: an abort while the peer is frozen (SIGSTOP) returns only
-    once Mooncake failed every request in flight (its progress / status-frame timeouts,
-    shortened here to 2 s), raises ABORTED, and nothing lands afterwards."""
+    """No cancel in Mooncake: an abort while the peer is frozen (SIGSTOP) raises ABORTED
+    at once; the requests in flight go to a reaper and the local cache stays fenced until
+    Mooncake failed them (its progress / status-frame timeouts, shortened here to 2 s);
+    nothing lands afterwards."""
     from aiodatadist.transports import mooncake
 
     monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "2")
@@ -403,11 +415,14 @@ def test_abort_with_a_frozen_peer_returns_after_the_engines_timeouts(
             conn.read(plan, remote, local, ctl)
         took = time.monotonic() - t0
         assert ei.value.status == _native.Status.ABORTED
-        assert 1.5 < took < 30, took  # waited for Mooncake's timeouts, and they bound it
+        assert took < 1.0, took  # the abort's deadline held (generous: 0.1 s asked)
+        assert local.late_writes == 1  # requests still in flight: fenced
+        assert _unfenced(local, 30)  # Mooncake's timeouts failed them
+        assert time.monotonic() - t0 > 1.5, "fence lifted before the engine gave up"
         landed = dst[0].copy()
         os.kill(proc.pid, signal.SIGCONT)
         time.sleep(0.5)
-        assert np.array_equal(landed, dst[0]), "bytes landed after the abort returned"
+        assert np.array_equal(landed, dst[0]), "bytes landed after the fence lifted"
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         agent.deregister(local)

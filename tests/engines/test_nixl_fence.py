@@ -1,10 +1,10 @@
-"""An aborted NIXL pull whose request is still on the wire fences its destination.
+"""An aborted NIXL pull whose request is still on the wire fences the blocks it named.
 
 Over UCX's tcp transport a READ already sent keeps delivering bytes after the request is
 released (and after the peer's agent is removed): seen with the peer stopped mid-pull.
-The call still ends at its deadline; until the request is over the destination cache
-takes no transfer that writes into it (and cannot be freed), so no later success can be
-overwritten by the aborted pull's bytes, and the owner's lease stays held, so the owner
+The call still ends at its deadline; until the request is over the blocks it named take
+no transfer (the cache's others do) and the cache cannot be freed, so no later success
+can be overwritten by the aborted pull's bytes, and the owner's lease stays held, so the owner
 cannot free or re-register memory the request may still read or write. Here: both ends
 on this host with ``UCX_TLS=tcp`` (UCX's inter-host transport), the prompt SIGSTOPped
 mid-transfer.
@@ -64,7 +64,8 @@ async def test_an_aborted_pull_in_flight_fences_its_destination(
         prompt, dd, dst, raw = await _linked_over_tcp(h, monkeypatch)
         cm, key, blocks = dd.cache_manager, KEY, BLOCKS
 
-        task = asyncio.ensure_future(cm.pull_blocks(key, dst, blocks, blocks, timeout=0.5))
+        named, last = blocks[:-2], blocks[-1]  # (the last two: not named by the call)
+        task = asyncio.ensure_future(cm.pull_blocks(key, dst, named, named, timeout=0.5))
         await asyncio.sleep(0.03)
         os.kill(prompt.pid, signal.SIGSTOP)
         try:
@@ -75,13 +76,22 @@ async def test_an_aborted_pull_in_flight_fences_its_destination(
             assert time.monotonic() - t0 < 5  # the deadline held
             entry = cm._caches.entries[dst.cache_id]
             assert entry.late_writes == 1, "no request was in flight at the stop"
-            # Fenced: no transfer into it, no free, while the aborted READ may still land.
+            # Fenced: no transfer into the blocks the call named, no free, while the
+            # aborted READ may still land.
             with pytest.raises(LLMException) as busy:
                 await cm.pull_blocks(key, dst, [0], [0], timeout=2)
             assert busy.value.status_code == LLMStatusCode.LLM_LINK_BUSY
             with pytest.raises(LLMException) as busy:
+                await cm.copy_blocks(dst, {last: [named[-1]]})
+            assert busy.value.status_code == LLMStatusCode.LLM_LINK_BUSY
+            with pytest.raises(LLMException) as busy:
                 cm.unregister_cache(dst.cache_id)
             assert busy.value.status_code == LLMStatusCode.LLM_LINK_BUSY
+            # The blocks it did not name take transfers meanwhile.
+            for t, r in enumerate(raw):
+                r[last] = 0x3C + t
+            await cm.copy_blocks(dst, {last: [last - 1]})
+            assert all(bool((r[last - 1] == 0x3C + t).all()) for t, r in enumerate(raw))
         finally:
             os.kill(prompt.pid, signal.SIGCONT)
         for _ in range(1000):  # the request ends once the prompt runs again
