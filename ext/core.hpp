@@ -76,8 +76,12 @@ class Control {
   // check() ends the job there even while the thread that would abort it (the event
   // loop's timer) does not run. Cleared by reset().
   void expire_in(double seconds) noexcept;
-  // check() found the deadline passed (and aborted the job).
+  // check() (or due()) found the deadline passed (and aborted the job).
   bool expired() const noexcept { return expired_.load(std::memory_order_acquire); }
+  // aborted(), or the deadline has passed: then the job is aborted and marked expired,
+  // as check() does, without throwing. For pollers that are not movers (an engine job
+  // polling its requests), so the deadline holds while the event loop does not run.
+  bool due() noexcept;
 
   // Throws Error(ABORTED) when an abort was requested or the deadline has passed.
   void check() {

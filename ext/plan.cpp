@@ -63,6 +63,15 @@ void Control::expire() {
   throw Error(Status::ABORTED, "deadline passed");
 }
 
+bool Control::due() noexcept {
+  if (aborted()) return true;
+  uint64_t d = deadline_ns_.load(std::memory_order_relaxed);
+  if (d == 0 || monotonic_ns() < d) return false;
+  expired_.store(true, std::memory_order_release);  // (before the abort, as in expire())
+  abort();
+  return true;
+}
+
 void Control::reset() noexcept {
   aborted_.store(false, std::memory_order_release);
   expired_.store(false, std::memory_order_relaxed);

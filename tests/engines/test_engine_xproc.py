@@ -307,6 +307,40 @@ async def test_deadline_aborts_a_big_transfer_and_nothing_lands_after(engine: En
         assert all(bool((v == xc.BIG_FILL).all()) for v in big.views)
 
 
+async def test_a_deadline_holds_while_the_loop_is_blocked(engine: Engine) -> None:
+    """The engine job polls its control, which carries the deadline: with the event loop
+    (whose timer aborts jobs) blocked for 0.5 s once a 1 GiB pull with a 50 ms timeout
+    moves bytes, the job still stops there and the call raises LLM_TIMEOUT, not every
+    byte landed (before: the job ran to the end and the call returned success 0.5 s past
+    its deadline). The link then moves exact bytes again."""
+    e = engine
+    async with Harness() as h:
+        dd, local, _prompt = await linked(h, e, big_mib=1024)
+        big = local["big"]
+        entry = dd.cache_manager._caches.entries[big.cache.cache_id]
+        for _attempt in range(5):
+            for v in big.views:
+                v[...] = 0
+            pull = asyncio.ensure_future(big_pull(dd, e, big, 0.05))
+            await until(lambda p=pull: p.done() or any(v[0] for v in big.views), 10)
+            if pull.done():  # the deadline passed before a byte landed (a loaded machine)
+                with pytest.raises(LLMException):
+                    await pull
+                await until(lambda: not entry.late_writes, 30, "the fence lifted")
+                continue
+            asyncio.get_running_loop().call_soon(time.sleep, 0.5)  # blocks the loop, timer too
+            with pytest.raises(LLMException) as ei:
+                await pull
+            assert ei.value.status_code == S.LLM_TIMEOUT, ei.value
+            break
+        else:
+            pytest.fail("no pull moved a byte before its 50 ms deadline in 5 tries")
+        await until(lambda: not entry.late_writes, 30, "the fence lifted")
+        assert not all(bool(v.all()) for v in big.views), "every byte landed: nothing ended it"
+        await big_pull(dd, e, big, 30)
+        assert all(bool((v == xc.BIG_FILL).all()) for v in big.views)
+
+
 @LEASES
 async def test_peer_killed_mid_transfer_fails_within_bounds(
     engine: Engine, control_lease: bool

@@ -236,6 +236,25 @@ def test_a_deadline_already_due_moves_nothing_and_reset_clears_it() -> None:
     assert not ctl.expired and ctl.bytes_done == plan.total_bytes
 
 
+def test_aborted_says_stop_once_the_deadline_passed() -> None:
+    # For pollers that are not movers (engine jobs): reading ``aborted`` past the
+    # deadline aborts the job and marks it expired, as a mover's check would.
+    ctl = n.Control()
+    assert not ctl.aborted  # no deadline: never due
+    ctl.expire_in(0.05)
+    assert not ctl.aborted and not ctl.expired
+    time.sleep(0.06)
+    assert ctl.aborted and ctl.expired
+    src, dst, plan = small_case()
+    with raises(Status.ABORTED, "deadline passed"):
+        n.copy_local(plan, bases(src), bases(dst), ctl)  # the movers see it too
+    ctl.reset()
+    ctl.expire_in(float("inf"))
+    assert not ctl.aborted and not ctl.expired
+    ctl.abort()
+    assert ctl.aborted and not ctl.expired  # an abort is not a deadline
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_abort_mid_copy_stops_within_one_chunk(
     big: tuple[np.ndarray, np.ndarray], threads: int
