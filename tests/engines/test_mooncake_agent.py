@@ -30,6 +30,7 @@ from aiodatadist import LLMException, _native
 from aiodatadist import LLMStatusCode as S
 from aiodatadist._caches import CacheEntry
 from aiodatadist.testing import engine_unavailable
+from tests._procs import stop_now
 
 pytestmark = [pytest.mark.slow]
 
@@ -406,7 +407,7 @@ def test_abort_with_a_frozen_peer_returns_at_once_fenced_until_the_engine_gave_u
         plan = _native.Plan.blocks(g, g, np.arange(256), np.arange(256), 0, 0, 1)
         conn.read(_native.Plan.blocks(g, g, [0], [0], 0, 0, 1), remote, local, _native.Control())
         dst[0][:] = 0
-        os.kill(proc.pid, signal.SIGSTOP)
+        stop_now(proc.pid)  # (every thread of it stopped before the pull starts)
         ctl = _native.Control()
         timer = threading.Timer(0.1, ctl.abort)
         t0 = time.monotonic()
