@@ -19,8 +19,8 @@ once; what the engine cannot recall (a NIXL request on the wire, every Mooncake 
 in flight) goes to a reaper thread, and until it ended the blocks of the local cache it
 may touch are fenced (``CacheEntry.fence``: transfers and copies that touch them, and
 a free, refuse with ``LLM_LINK_BUSY``; the cache's other blocks take transfers) and
-the remote cache's lease kept (``_leases.LeaseHold``, the
-thread's current one while the job runs). NIXL: a transfer is cut into requests of
+the remote cache's lease kept (``_leases.LeaseHold``, the thread's current one while
+the job runs). NIXL: a transfer is cut into requests of
 8 MiB and the abort is checked between them; see :mod:`aiodatadist.transports.nixl`.
 Mooncake: see its module.
 

@@ -29,9 +29,10 @@ What NIXL 1.5.1 does here (checked on this host: UCX over CMA, two processes):
   (``CacheEntry.fence``): the cache stays held (free and re-registration refuse with
   ``LLM_LINK_BUSY``) and a transfer or copy touching those blocks refuses with
   ``LLM_LINK_BUSY`` (no later success can be overwritten by the aborted transfer's
-  bytes); its other blocks take transfers. Only the blocks named are undefined. The remote cache's lease is kept until then
-  too (``_leases.LeaseHold``: the reaper lets go of it), so its owner cannot free or
-  re-bind memory the request may still read or write (a WRITE lands in the owner's).
+  bytes); its other blocks take transfers. Only the blocks named are undefined. The
+  remote cache's lease is kept until then too (``_leases.LeaseHold``: the reaper lets
+  go of it), so its owner cannot free or re-bind memory the request may still read or
+  write (a WRITE lands in the owner's).
 * UCX over CMA moves a request *inside* ``postXferReq`` (256 MiB: ~100 ms in the post
   call, nothing to abort). A transfer is therefore cut into requests of
   :data:`~.nixl_descs.CHUNK_BYTES`; the abort (deadline, cancel) is checked between them, so it
