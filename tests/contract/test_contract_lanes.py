@@ -135,8 +135,10 @@ async def test_a_small_pull_never_overtakes_one_in_flight(side: Side) -> None:
     big, model = await side.big()
     n = big.spec.shape[0]
     bulk = asyncio.ensure_future(
-        cm.pull_blocks(BlocksCacheKey(PROMPT, model), big.cache, list(range(n)), list(range(n)))
-    )
+        cm.pull_blocks(
+            BlocksCacheKey(PROMPT, model), big.cache, list(range(n)), list(range(n)), timeout=60
+        )
+    )  # (an order test: generous deadlines, a loaded machine took > 5 s for 256 MiB once)
     while not side.link().slot.busy and not bulk.done():  # noqa: ASYNC110 - a step at a time
         await asyncio.sleep(0)
     assert not bulk.done(), "the big pull ended before it could be overtaken"

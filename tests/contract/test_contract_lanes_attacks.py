@@ -83,9 +83,13 @@ async def test_a_small_pull_called_after_a_big_one_never_overtakes_it(side: Side
     await cm.pull_blocks(BlocksCacheKey(PROMPT, model), big.cache, [0], [0], timeout=10)
     await _due()
     bulk = asyncio.ensure_future(
-        cm.pull_blocks(BlocksCacheKey(PROMPT, model), big.cache, list(range(n)), list(range(n)))
+        cm.pull_blocks(
+            BlocksCacheKey(PROMPT, model), big.cache, list(range(n)), list(range(n)), timeout=60
+        )
+    )  # (an order test: generous deadlines, a loaded machine took > 5 s for 256 MiB once)
+    small = asyncio.ensure_future(
+        cm.pull_blocks(key, side.local["reg"].cache, [3], [0], timeout=60)
     )
-    small = asyncio.ensure_future(cm.pull_blocks(key, side.local["reg"].cache, [3], [0]))
     await asyncio.wait([bulk, small], return_when=asyncio.FIRST_COMPLETED)
     done_first = "bulk" if bulk.done() else "small"
     await asyncio.gather(bulk, small)

@@ -309,13 +309,13 @@ async def test_deadline_aborts_a_big_transfer_and_nothing_lands_after(engine: En
 
 async def test_a_deadline_holds_while_the_loop_is_blocked(engine: Engine) -> None:
     """The engine job polls its control, which carries the deadline: with the event loop
-    (whose timer aborts jobs) blocked for 0.5 s once a 1 GiB pull with a 50 ms timeout
+    (whose timer aborts jobs) blocked for 0.5 s once a 512 MiB pull with a 50 ms timeout
     moves bytes, the job still stops there and the call raises LLM_TIMEOUT, not every
     byte landed (before: the job ran to the end and the call returned success 0.5 s past
     its deadline). The link then moves exact bytes again."""
     e = engine
     async with Harness() as h:
-        dd, local, _prompt = await linked(h, e, big_mib=1024)
+        dd, local, _prompt = await linked(h, e, big_mib=512)
         big = local["big"]
         entry = dd.cache_manager._caches.entries[big.cache.cache_id]
         for _attempt in range(5):

@@ -481,9 +481,15 @@ async def test_idle_connections_to_the_fd_socket_are_bounded() -> None:
         for _ in range(n):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             s.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                s.connect("\0" + listener.name)
             flood.append(s)
+            for _try in range(1000):
+                try:
+                    s.connect("\0" + listener.name)
+                    break
+                except BlockingIOError:  # its backlog is full: let the prompt accept
+                    await asyncio.sleep(0.005)
+            else:
+                raise AssertionError("the prompt stopped accepting connections")
             if len(flood) % 32 == 0:
                 await asyncio.sleep(0.01)  # let the prompt accept
         # The oldest are closed by the prompt as newer ones come: their reads see the end.
