@@ -198,8 +198,8 @@ class StreamPull:
             if sent < len(frame):  # (its buffer is full: the peer does not read)
                 self._rest = memoryview(frame)[sent:]
                 return False
-            if spin_us is None:
-                return False
+            if spin_us is None or (deadline is not None and deadline <= now):
+                return False  # (past its deadline: finish raises, taking nothing)
             if deadline is not None:
                 spin_us = min(spin_us, int((deadline - now) * 1e6))
             try:

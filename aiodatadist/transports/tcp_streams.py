@@ -102,6 +102,8 @@ class LoopMove:
                 raise _native.NativeError(_native.Status.ABORTED, "transfer aborted")
             step = self._make()
             loop = asyncio.get_running_loop()
+            if deadline is not None and loop.time() >= deadline:
+                raise TimeoutError  # (not even a step: nothing is taken past the deadline)
             if spin_us > 0 and deadline is not None:  # (never past the deadline)
                 spin_us = min(spin_us, int((deadline - loop.time()) * 1e6))
             if step.step_for(spin_us) if spin_us > 0 else step.step():
