@@ -26,6 +26,7 @@ from aiodatadist.testing import inproc_pair, make_blocks_cache, pattern_mismatch
 
 T, NB, BLOCK = 4, 8, (16, 2, 64)  # 4 tensors (2 layers of K,V) x 8 blocks of 4 KiB
 BB = 16 * 2 * 64 * 2
+PATHS = ["inproc", "shm", "cma", "tcp"]
 
 
 def _region(addrs: Sequence[int], blocks: Sequence[int], tensors: range = range(T)) -> Region:
@@ -122,9 +123,9 @@ def _raw(tensors: Sequence[np.ndarray]) -> list[np.ndarray]:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("path", ["inproc", "shm", "cma", "tcp"])
+@pytest.mark.parametrize("path", PATHS)
 async def test_a_pull_touching_fenced_blocks_is_refused_and_others_move(path: str) -> None:
-    seed = 0x5E0 + len(path)
+    seed = 0x5E0 + PATHS.index(path)  # (a pattern of its own per path)
     async with inproc_pair(data_path=path) as pair:
         shape = {"num_tensors": T, "num_blocks": NB, "block_shape": BLOCK}
         make_blocks_cache(

@@ -25,7 +25,7 @@ from aiodatadist import BlocksCacheKey, DataPath, LLMException, LLMStatusCode, _
 from aiodatadist import _native as native
 from tests._engines import require_engine
 from tests.xproc import xproc_common as xc
-from tests.xproc.xproc_harness import Harness, link
+from tests.xproc.xproc_harness import Harness, link, until
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
@@ -94,11 +94,8 @@ async def test_an_aborted_pull_in_flight_fences_its_destination(
             assert all(bool((r[last - 1] == 0x3C + t).all()) for t, r in enumerate(raw))
         finally:
             os.kill(prompt.pid, signal.SIGCONT)
-        for _ in range(1000):  # the request ends once the prompt runs again
-            if not entry.late_writes:
-                break
-            await asyncio.sleep(0.01)
-        assert entry.late_writes == 0
+        # The request ends once the prompt runs again.
+        await until(lambda: not entry.late_writes, 10, "the aborted request's end")
         for r in raw:
             r[...] = 0x33
         await asyncio.sleep(0.5)
@@ -191,11 +188,8 @@ async def test_an_aborted_request_in_flight_keeps_the_owners_lease(
                 assert unleased == [], "UNLEASE sent with a request still in flight"
         finally:
             os.kill(prompt.pid, signal.SIGCONT)
-        for _ in range(1000):  # the request ends once the prompt runs again
-            if not entry.late_writes:
-                break
-            await asyncio.sleep(0.01)
-        assert entry.late_writes == 0
+        # The request ends once the prompt runs again.
+        await until(lambda: not entry.late_writes, 10, "the aborted request's end")
         for _ in range(100):
             if native.lease_readers(addr) == 0 and (lease == "lease-page" or unleased):
                 break
