@@ -341,12 +341,16 @@ class RawClient:
             s.close()
         if self.writer is not None:
             self.writer.close()
-            with contextlib.suppress(Exception):
+            try:
                 await asyncio.wait_for(self.writer.wait_closed(), 2)
-            # Bytes a peer never read keep a closing transport (and its socket) open past
-            # the test, to be collected during a later one (an "unclosed transport"
-            # warning failed it): drop them.
-            self.writer.transport.abort()
+            except Exception:
+                # Bytes a peer never read keep a closing transport (and its socket) open
+                # past the test, to be collected during a later one (an "unclosed
+                # transport" warning failed it): drop them. Only then: a transport whose
+                # connection was lost has no loop left to abort on (asyncio raises
+                # AttributeError), and it may have been lost while the wait unwound.
+                with contextlib.suppress(AttributeError):
+                    self.writer.transport.abort()
 
     async def write(self, t: _wire.MsgType, body: dict[str, Any], binary: bytes = b"") -> None:
         assert self.writer is not None
