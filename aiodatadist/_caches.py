@@ -131,6 +131,9 @@ class CacheEntry:
     # A free refused while transfers held it: until then (monotonic), no new control-plane
     # lease is granted on it (_engine_lease.py), so a retried free can succeed.
     no_leases_until: float = 0.0
+    # Set by the lease book while the cache has a lease: publishes the fence count on the
+    # lease pages after every change (a peer's one-sided push refuses while it is not 0).
+    fences_changed: Callable[[], None] | None = field(default=None, repr=False)
     _busy: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -198,6 +201,7 @@ class CacheEntry:
         with _FENCES, self._lock:
             self._busy += 1
             self._fences.append(token)
+        self._publish_fences()
         return token
 
     def unfence(self, token: Region) -> None:
@@ -205,6 +209,12 @@ class CacheEntry:
             self._fences.remove(token)  # (by identity: a Region has no __eq__)
             self._busy -= 1
             _FENCES.notify_all()
+        self._publish_fences()
+
+    def _publish_fences(self) -> None:
+        publish = self.fences_changed
+        if publish is not None:
+            publish()
 
     def check_no_late_writes(self, api: str | None = None, *regions: Region) -> None:
         """Refuses a transfer that touches bytes an aborted one may still write: any of

@@ -3,8 +3,8 @@
 A one-sided engine transfer to another host has no lease page (no fd channel):
 the requester asks the owner first, one round trip per transfer::
 
-    LEASE {req, cache_id, gen}  ->
-                                <-  LEASED {req, status, info, stale}
+    LEASE {req, cache_id, gen, write?}  ->
+                                        <-  LEASED {req, status, info, stale}
     (the engine moves the bytes)
     UNLEASE {req}               ->
 
@@ -12,7 +12,9 @@ The owner takes ``entry.hold()`` for a granted lease (so unregister, free and
 re-registration see a transfer in flight exactly as with tcp serving: they
 refuse with ``LLM_LINK_BUSY``) and releases it on ``UNLEASE`` or when the link
 is lost. A freed cache or a stale generation answers ``LLM_KV_CACHE_NOT_EXIST``
-marked ``stale``: the requester refreshes its table and retries once.
+marked ``stale``: the requester refreshes its table and retries once. A lease
+for a push says ``write``: refused with ``LLM_LINK_BUSY`` while the cache is fenced
+(an aborted engine transfer may still write into it; the lease names no blocks).
 Messages of one link arrive in order, so an ``UNLEASE`` sent after a ``LEASE``
 whose answer the requester gave up on still releases it.
 """
@@ -80,19 +82,25 @@ def _unlease_from(loop: asyncio.AbstractEventLoop, peer: ControlLink, req: int) 
 
 @contextlib.asynccontextmanager
 async def remote_lease(
-    peer: ControlLink, remote: CacheEntry, deadline: float | None
+    peer: ControlLink, remote: CacheEntry, deadline: float | None, *, writes: bool = False
 ) -> AsyncIterator[LeaseHold]:
     """Holds the owner's lease on ``remote`` for the body (one round trip); yields its
     :class:`~aiodatadist._leases.LeaseHold`: an engine request aborted in flight and
     handed to a reaper keeps the lease (the UNLEASE waits) until it ended.
 
+    ``writes`` (a push): the owner refuses while the cache is fenced (an aborted engine
+    transfer may still write into it, over what this one would land).
+
     Raises:
         LeaseStale: the owner freed the cache or re-bound it since our table.
-        LLMException: LLM_TIMEOUT (no answer by ``deadline``), LLM_LINK_FAILED.
+        LLMException: LLM_TIMEOUT (no answer by ``deadline``), LLM_LINK_FAILED,
+            LLM_LINK_BUSY (the owner is freeing the cache; a write into a fenced one).
     """
     body: dict[str, Any] = {"cache_id": remote.cache_id}
     if remote.lease is not None:
         body["gen"] = remote.lease[1]
+    if writes:
+        body["write"] = True
     req, fut = await peer.request(_wire.MsgType.LEASE, body, b"")
     try:
         async with asyncio.timeout_at(deadline):
@@ -155,6 +163,9 @@ async def serve(peer: Any, msg: _wire.Message) -> None:
                 f"cache {cache_id} is being freed by its owner",
                 api="lease",
             )
+        if msg.body.get("write") is True:
+            # The lease does not name the blocks: a write waits for every fence to lift.
+            entry.check_no_late_writes("lease")
         entry.hold(api="lease")
     except LLMException as e:
         stale = e.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST

@@ -95,6 +95,16 @@ def stale_as_lease_stale(
     return translate
 
 
+def _fenced(api: str | None, cache_id: int) -> LLMException:
+    return failure(
+        LLMStatusCode.LLM_LINK_BUSY,
+        f"the peer's cache {cache_id} is fenced: an engine transfer into it that was "
+        "cancelled or timed out is still in flight and may still write into it, over what "
+        "this push would land; pushes into it are taken again once that ended",
+        api=api,
+    )
+
+
 class Channel(Protocol):
     """What the book needs of a link's fd channel (:class:`aiodatadist._fdchannel.FdChannel`)."""
 
@@ -280,6 +290,7 @@ def leased(
     job: Callable[[Any], None],
     *,
     keepable: bool = False,
+    writes: bool = False,
 ) -> Callable[[_native.Control], None]:
     """Wraps a one-sided copy job: enter the lease, copy, check it held, exit.
 
@@ -288,6 +299,12 @@ def leased(
     bytes copied are then not to be trusted). ``api`` (by default the public call
     running now) is taken here: the job runs on a worker thread, outside that call's
     context.
+
+    ``writes`` (a push: the job writes into the owner's cache): refused with
+    ``LLM_LINK_BUSY``, before any byte moves, while the owner has a fence on the cache
+    (an aborted engine transfer may still write into it and would overwrite what this
+    one lands: :meth:`LeaseBook.set_fences`). The page carries a count per cache, not
+    the fenced blocks: every write into that cache waits for the fences to lift.
 
     ``keepable``: the job may hand a request it cannot recall to a reaper, which then
     keeps the lease (an engine job: :class:`LeaseHold`, :func:`keep_current`); a plain
@@ -305,10 +322,16 @@ def leased(
                 api=api,
             )
 
-    # ``_page`` keeps the page mapped for as long as the job can run.
-    def run(control: _native.Control, _page: LeasePage = page) -> None:
+    def enter() -> None:
         if not _native.lease_enter(addr, gen):
             raise _stale(api, cache_id)
+        if writes and _native.lease_fences(addr):
+            _native.lease_exit(addr)
+            raise _fenced(api, cache_id)
+
+    # ``_page`` keeps the page mapped for as long as the job can run.
+    def run(control: _native.Control, _page: LeasePage = page) -> None:
+        enter()
         try:
             job(control)
             revoked()
@@ -317,8 +340,7 @@ def leased(
 
     # The hold pins the page for as long as a request handed to a reaper keeps the lease.
     def run_keepable(control: _native.Control) -> None:
-        if not _native.lease_enter(addr, gen):
-            raise _stale(api, cache_id)
+        enter()
         try:
             hold = page_lease(page, addr)
         except BaseException:
@@ -393,6 +415,7 @@ class LeaseBook:
         self._free: list[int] = []
         self._next = 0
         self._leases: dict[int, tuple[int, int]] = {}  # cache_id -> (slot, gen)
+        self._fenced: dict[int, int] = {}  # slot -> its cache's fences (none: absent)
         self._pages: list[_OwnedPage] = []
         self._channels: list[Channel] = []
         self._segments: Callable[[], list[tuple[str, int, int]]] = list
@@ -409,6 +432,7 @@ class LeaseBook:
         """Records ``entry``'s lease and writes it into every live page (lock held)."""
         self._leases[entry.cache_id] = (slot, gen)
         entry.lease = (slot, gen)
+        entry.fences_changed = functools.partial(self.set_fences, entry)
         # (before the generation is published: a request served under it finds this one)
         self.serve.put(
             entry.cache_id, slot, gen, entry.geometry, entry.addrs, entry.device_id is not None
@@ -420,6 +444,25 @@ class LeaseBook:
         for p in self._pages:
             if not p.retired:
                 _native.lease_publish(p.page.addr(slot), gen)
+
+    def set_fences(self, entry: CacheEntry) -> None:
+        """Writes how many fences ``entry`` has (:meth:`CacheEntry.fence`) into its slot of
+        every live page: a peer's one-sided write (a push over ``shm`` / ``cma``, an
+        engine's under the page) refuses while it is not 0 (:func:`leased`). Called after
+        every change, from any thread; the count is read here, so the last write wins
+        with the current one."""
+        with self._lock:
+            held = self._leases.get(entry.cache_id)
+            if held is None:
+                return
+            slot, n = held[0], entry.late_writes
+            if n:
+                self._fenced[slot] = n
+            else:
+                self._fenced.pop(slot, None)
+            for p in self._pages:
+                if not p.retired:
+                    _native.lease_set_fences(p.page.addr(slot), n)
 
     # ---------------------------------------------------------------- grants
 
@@ -492,10 +535,15 @@ class LeaseBook:
         with self._lock:
             held = self._leases.pop(entry.cache_id, None)
             entry.lease = None
+            entry.fences_changed = None
             self.serve.remove(entry.cache_id)
             if held is None:
                 return
             slot, _ = held
+            if self._fenced.pop(slot, 0):
+                for p in self._pages:
+                    if not p.retired:
+                        _native.lease_set_fences(p.page.addr(slot), 0)
             # Revoked (retired) pages stay revoked: a stale reader's enter must keep failing.
             self._publish_live(slot, 0)
             self._free.append(slot)
@@ -521,6 +569,8 @@ class LeaseBook:
             page = LeasePage.create(f"{self._label}-lease{next(_page_ids)}")
             for slot, gen in self._leases.values():
                 _native.lease_publish(page.addr(slot), gen)
+            for slot, n in self._fenced.items():
+                _native.lease_set_fences(page.addr(slot), n)
             pidfd: int | None = None
             gone = False
             try:

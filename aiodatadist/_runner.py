@@ -96,7 +96,13 @@ async def run(rt: Runtime, link: Link, request: Request, cut: LayerCut | None = 
         async with link.exclusive(deadline):
             if link.path.remote_table.version != version:  # the peer re-registered meanwhile
                 remote, moves = plan(request, link.path.remote_table)
-            if local.late_writes and not isinstance(request, PushRequest):
+            if isinstance(request, PushRequest):
+                if remote.late_writes:
+                    # In one process (inproc) the peer's entry is its own, fences and
+                    # all; other paths' owners check theirs (tcp serving: the blocks;
+                    # a lease page: the cache).
+                    remote.check_no_late_writes(None, Region.of(remote.addrs, moves, "dst"))
+            elif local.late_writes:
                 # An aborted engine pull may still land in the blocks it named.
                 local.check_no_late_writes(None, Region.of(local.addrs, moves, "dst"))
             local.hold()

@@ -35,13 +35,14 @@ __all__ = [
     "WireError",
 ]
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Wire protocol version: the header byte and ``HELLO.version``; peers must match.
 3: small tcp pulls are asked on a data stream (``transports/tcp_requests.py``), which a
 version-2 peer would never answer. 4: each direction has a request stream
 (``DATA_HELLO.stream`` ``MAX_STREAMS + direction``), which a version-3 peer refuses.
 5: a stream request moves up to 4 MiB (``tcp_requests.STREAM_MAX_BYTES``), which a
-version-4 peer refuses (its bound is 256 KiB)."""
+version-4 peer refuses (its bound is 256 KiB). 6: a ``LEASE`` for an engine's push says
+``write`` (the owner refuses it while the cache is fenced), which a version-5 peer refuses."""
 
 MAX_JSON = 16 * 1024 * 1024
 """Largest JSON body (``WELCOME`` and ``TABLE``, which carry the cache table)."""

@@ -323,6 +323,7 @@ SCHEMAS: Mapping[MsgType, Mapping[str, Field]] = {
         "req": Field(_INT, check=_u64),
         "cache_id": Field(_INT, check=_u64),
         "gen": _GEN,
+        "write": Field(_BOOL, required=False),
     },
     MsgType.LEASED: {
         "req": Field(_INT, check=_u64),

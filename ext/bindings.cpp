@@ -359,6 +359,8 @@ PYBIND11_MODULE(_native, m) {
   m.def("lease_publish", &lease_publish, py::arg("addr"), py::arg("gen"));
   m.def("lease_gen", &lease_gen, py::arg("addr"));
   m.def("lease_readers", &lease_readers, py::arg("addr"));
+  m.def("lease_set_fences", &lease_set_fences, py::arg("addr"), py::arg("n"));
+  m.def("lease_fences", &lease_fences, py::arg("addr"));
   m.def("lease_revoke", &lease_revoke, py::arg("addr"), py::arg("timeout_s"), gil_release());
 
   // The buffer protocol lets numpy views keep a segment mapped: a segment is

@@ -333,7 +333,9 @@ class LaneCopy {
 struct LeaseSlot {
   std::atomic<uint64_t> gen;
   std::atomic<uint32_t> readers;
-  uint32_t pad;
+  // The owner's count of fences on the cache (aborted engine transfers that may still
+  // write into it): a peer's one-sided write stays out while it is not 0.
+  std::atomic<uint32_t> fences;
 };
 constexpr uint64_t kLeaseSlotBytes = 16;
 constexpr uint64_t kLeaseRevoked = 1ull << 63;
@@ -344,6 +346,8 @@ void lease_exit(uint64_t addr);                  // wakes a revoker when the las
 void lease_publish(uint64_t addr, uint64_t gen);
 uint64_t lease_gen(uint64_t addr);
 uint32_t lease_readers(uint64_t addr);
+void lease_set_fences(uint64_t addr, uint32_t n);  // the owner's side
+uint32_t lease_fences(uint64_t addr);
 // Marks the generation revoked and waits (futex) until no reader is left, at most
 // timeout_s; on timeout restores the generation it found and returns false.
 bool lease_revoke(uint64_t addr, double timeout_s);

@@ -67,6 +67,14 @@ uint32_t lease_readers(uint64_t addr) {
   return slot_at(addr)->readers.load(std::memory_order_seq_cst);
 }
 
+void lease_set_fences(uint64_t addr, uint32_t n) {
+  slot_at(addr)->fences.store(n, std::memory_order_seq_cst);
+}
+
+uint32_t lease_fences(uint64_t addr) {
+  return slot_at(addr)->fences.load(std::memory_order_seq_cst);
+}
+
 bool lease_revoke(uint64_t addr, double timeout_s) {
   LeaseSlot* s = slot_at(addr);
   if (!(timeout_s >= 0) || std::isinf(timeout_s)) throw Error(Status::PARAM_INVALID, "lease timeout must be >= 0 and finite");

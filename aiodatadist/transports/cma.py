@@ -60,10 +60,14 @@ class CmaPath(Path):
         return page, slot, gen
 
     async def _leased(
-        self, call: Call, remote: CacheEntry, job: Callable[[_native.Control], None]
+        self,
+        call: Call,
+        remote: CacheEntry,
+        job: Callable[[_native.Control], None],
+        writes: bool = False,
     ) -> Callable[[_native.Control], None]:
         page, slot, gen = await self._lease(call, remote)
-        return leased(page, slot, gen, None, remote.cache_id, job)
+        return leased(page, slot, gen, None, remote.cache_id, job, writes=writes)
 
     def lane(self, remote: CacheEntry, local: CacheEntry) -> CopyLane | None:
         fds = self.fds
@@ -138,7 +142,7 @@ class CmaPath(Path):
             _write, self.pid, plan, local.addrs, remote.addrs, call.mover_threads
         )
         await call.run(
-            await self._leased(call, remote, job),
+            await self._leased(call, remote, job, writes=True),
             local_bytes=plan.total_bytes,
             inline_max=ONE_SIDED_INLINE_MAX_BYTES,
             fair=True,

@@ -445,6 +445,7 @@ class EnginePath(Path):
         local: CacheEntry,
         job: Callable[..., None],
         begin: bool = False,
+        writes: bool = False,
     ) -> None:
         if self.fds is not None and not self.fds.closed and remote.lease is not None:
             page = await self.fds.peer_page(call.deadline)
@@ -460,13 +461,15 @@ class EnginePath(Path):
             ):
                 return
             await call.run(
-                leased(page, slot, gen, None, remote.cache_id, job, keepable=True),
+                leased(page, slot, gen, None, remote.cache_id, job, keepable=True, writes=writes),
                 local_bytes=plan.total_bytes if inline else -1,
                 inline_max=ONE_SIDED_INLINE_MAX_BYTES,
                 fair=True,
             )
             return
-        async with _engine_lease.remote_lease(self.peer, remote, call.deadline) as held:
+        async with _engine_lease.remote_lease(
+            self.peer, remote, call.deadline, writes=writes
+        ) as held:
             # (A request handed to a reaper keeps it past the body: ``LeaseHold``.)
             if not begin or not await self._begin(call, plan, remote, local, None, held):
                 await call.run(held.around(job))
@@ -510,7 +513,7 @@ class EnginePath(Path):
     ) -> None:
         conn = await self._ready(call)
         job = functools.partial(conn.write, plan, local, remote)
-        await self._run(call, plan, remote, local, job)
+        await self._run(call, plan, remote, local, job, writes=True)
 
     def close_conn(self) -> None:
         """Forgets the peer's agent (blocking; no transfer runs on the link)."""

@@ -120,7 +120,7 @@ class ShmPath(Path):
         assert remote.lease is not None  # RemotePath.path_for checks it
         slot, gen = remote.lease
         copy = functools.partial(_copy, seg, plan, src, dst, call.mover_threads)
-        return leased(page, slot, gen, None, remote.cache_id, copy)
+        return leased(page, slot, gen, None, remote.cache_id, copy, writes=writable)
 
     def lane(self, remote: CacheEntry, local: CacheEntry) -> CopyLane | None:
         fds = self.fds

@@ -165,25 +165,46 @@ async def test_a_pull_touching_fenced_blocks_is_refused_and_others_move(path: st
 
 
 @pytest.mark.asyncio
-async def test_a_peers_push_into_fenced_blocks_is_refused_and_others_land() -> None:
-    """Over tcp the prompt's serving side checks a push against its own fences."""
-    seed = 0x5E7
-    async with inproc_pair(data_path="tcp") as pair:
+@pytest.mark.parametrize("path", PATHS)
+async def test_a_peers_push_into_fenced_blocks_is_refused_and_others_land(path: str) -> None:
+    """A push into the prompt's fenced blocks is refused whichever path carries it: the
+    prompt's tcp serving side checks the blocks against its fences; in one process
+    (inproc) the pusher checks the owner's entry itself; a one-sided push (shm, cma)
+    finds the fence count the owner publishes in the cache's lease slot, which names no
+    blocks, so every push into that cache waits (its other caches take pushes)."""
+    seed = 0x5E7 + PATHS.index(path)
+    async with inproc_pair(data_path=path) as pair:
         shape = {"num_tensors": T, "num_blocks": NB, "block_shape": BLOCK}
-        target = make_blocks_cache(pair.prompt, model_id=0, **shape)
+        target = make_blocks_cache(pair.prompt, model_id=0, allocate=path == "shm", **shape)
+        other = make_blocks_cache(pair.prompt, model_id=1, allocate=path == "shm", **shape)
         src = make_blocks_cache(pair.decoder, seed=seed, pattern=True, **shape)
         cm, key = pair.decoder.cache_manager, BlocksCacheKey(pair.prompt.cluster_id, 0)
+        await cm.push_blocks(key, src.cache, [7], [7], timeout=5)  # linked, leases known
+        assert not pattern_mismatches(target.tensors, [7], [7], seed)
         entry, fence = _fence(pair.prompt, target.cache, [1])
         before = _raw(target.tensors)
         with pytest.raises(LLMException) as ei:
             await cm.push_blocks(key, src.cache, [0, 2], [0, 1], timeout=5)
         _busy(ei)
         assert all(np.array_equal(a, b) for a, b in zip(before, _raw(target.tensors), strict=True))
-        await cm.push_blocks(key, src.cache, [3, 2], [0, 2], timeout=5)
-        assert not pattern_mismatches(target.tensors, [3, 2], [0, 2], seed)
+        if path in ("shm", "cma"):  # the lease slot names no blocks: the whole cache waits
+            with pytest.raises(LLMException) as ei:
+                await cm.push_blocks(key, src.cache, [3, 2], [0, 2], timeout=5)
+            _busy(ei)
+            assert all(
+                np.array_equal(a, b) for a, b in zip(before, _raw(target.tensors), strict=True)
+            )
+        else:
+            await cm.push_blocks(key, src.cache, [3, 2], [0, 2], timeout=5)
+            assert not pattern_mismatches(target.tensors, [3, 2], [0, 2], seed)
+        # The owner's other cache takes pushes meanwhile.
+        await cm.push_blocks(BlocksCacheKey(pair.prompt.cluster_id, 1), src.cache, [4], [3])
+        assert not pattern_mismatches(other.tensors, [4], [3], seed)
         entry.unfence(fence)
-        await cm.push_blocks(key, src.cache, [5], [1], timeout=5)
-        assert not pattern_mismatches(target.tensors, [5], [1], seed)
+        await cm.push_blocks(key, src.cache, [5, 6], [1, 0], timeout=5)
+        assert not pattern_mismatches(target.tensors, [5, 6], [1, 0], seed)
+        moved = pair.decoder.stats().links[pair.prompt.cluster_id].by_path
+        assert set(moved) == {path}, moved  # every push took the path under test
 
 
 @pytest.mark.asyncio

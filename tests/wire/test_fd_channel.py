@@ -33,6 +33,7 @@ from aiodatadist import (
     _native,
     _wire,
 )
+from aiodatadist._caches import CacheEntry, Region
 from aiodatadist._fdchannel import FdChannel, connect_channel
 from aiodatadist._leases import LeaseBook, LeasePage
 from aiodatadist.testing import cluster_info
@@ -525,3 +526,60 @@ async def test_idle_connections_to_the_fd_socket_are_bounded() -> None:
         await second.finalize()
         await first.finalize()
         await prompt.finalize()
+
+
+async def test_the_book_publishes_a_caches_fence_count_on_every_page() -> None:
+    """A fence on a cache (an aborted engine transfer may still write into it) is counted
+    in the cache's slot of every peer's page, a page attached later included, and the
+    count goes at unfence and at release: a peer's one-sided push reads it
+    (``_leases.leased(writes=True)``)."""
+    loop = asyncio.get_running_loop()
+    book = LeaseBook(f"/aiodd-{os.getpid()}-test-fences")
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
+    peers = [FdChannel(b, loop, os.getpid()) for _, b in pairs]
+    ours = [FdChannel(a, loop, os.getpid()) for a, _ in pairs]
+    for p in peers:
+        p.start()
+    entry = CacheEntry(
+        cache_id=1, num_tensors=1, num_blocks=4, block_bytes=64, is_blocks=True, addrs=[1 << 20]
+    )
+    other = CacheEntry(
+        cache_id=2, num_tensors=1, num_blocks=4, block_bytes=64, is_blocks=True, addrs=[1 << 21]
+    )
+    try:
+        book.grant(entry)
+        book.grant(other)
+        ours[0].start(book)
+        await _until(lambda: peers[0].page is not None)
+        assert entry.lease is not None and other.lease is not None
+        first = [entry.fence(Region(None)), entry.fence(Region(None))]
+        ours[1].start(book)  # a link made while the fences are up
+        await _until(lambda: peers[1].page is not None)
+        slots = [p.page.addr(entry.lease[0]) for p in peers if p.page is not None]
+        others = [p.page.addr(other.lease[0]) for p in peers if p.page is not None]
+        assert [_native.lease_fences(a) for a in slots] == [2, 2]
+        assert [_native.lease_fences(a) for a in others] == [0, 0]
+        entry.unfence(first[0])
+        assert [_native.lease_fences(a) for a in slots] == [1, 1]
+        # The count is read from any thread (a reaper's) at the time of the write.
+        await asyncio.to_thread(entry.unfence, first[1])
+        assert [_native.lease_fences(a) for a in slots] == [0, 0]
+        entry.fence(Region(None))
+        assert [_native.lease_fences(a) for a in slots] == [1, 1]
+        slot = entry.lease[0]
+        assert book.revoke(entry, 5)
+        book.release(entry)  # (an unregister with a fence up waits; the book clears anyway)
+        assert entry.fences_changed is None
+        assert [_native.lease_fences(a) for a in slots] == [0, 0]
+        again = CacheEntry(
+            cache_id=3, num_tensors=1, num_blocks=4, block_bytes=64, is_blocks=True, addrs=[1 << 22]
+        )
+        book.grant(again)  # the slot reused: no fence of the cache before
+        assert again.lease is not None and again.lease[0] == slot
+        assert [_native.lease_fences(a) for a in slots] == [0, 0]
+    finally:
+        for c in ours:
+            c.close()
+        for p in peers:
+            p.release_page()
+        book.close()
