@@ -25,7 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _native
-from ._leases import SLOTS, LeaseBook, LeasePage, _OwnedPage
+from ._lease_book import LeaseBook, _OwnedPage
+from ._leases import SLOTS, LeasePage
 from .errors import LLMStatusCode, failure
 
 __all__ = [

@@ -26,7 +26,7 @@ from typing import Any
 from . import _native
 from ._buffers import TensorMemory, tensor_memory
 from ._caches import CacheEntry, CacheTable, require_host_memory
-from ._leases import LeaseBook
+from ._lease_book import LeaseBook
 from ._plan import row_key
 from ._validate import INVALID_ID, check_int_list, check_type, require
 from .errors import LLMStatusCode, failure, from_native

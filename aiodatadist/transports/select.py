@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from .. import _native
 from .._fdchannel import HELLO_TIMEOUT, FdChannel, connect_channel
-from .._leases import LeaseBook
+from .._lease_book import LeaseBook
 from ..config import DataPath
 from ..errors import LLMException, LLMStatusCode, failure
 from .base import Call, Lane, LayerCut, Path

@@ -17,7 +17,7 @@ Stream requests (small pulls, ``tcp_requests``) arrive on the request stream of 
 peer's direction, which this side hands to a native serving thread of the link's own
 (``_native.StreamServer``, ``ext/serve.cpp``) as it attaches: no loop, no GIL, no task,
 no DONE. It checks each request against the instance's serve book (every registered
-cache, its geometry and lease; ``_leases.LeaseBook.serve``) and answers with the stream
+cache, its geometry and lease; ``_lease_book.LeaseBook.serve``) and answers with the stream
 header and the bytes, sent under the cache's lease (a free waits for them, or refuses,
 as for a peer's one-sided copy), or with a refusal frame naming the status; a stream
 that misbehaves (not a request, a second request before the answer, a request not all
@@ -74,7 +74,7 @@ class TcpServing:
         cap_s: ``ServeTimeout`` in seconds: the most any request (and its reply) may take.
         require_ready: raises once the instance was finalized.
         book: what the native serving thread of the peer's request stream may read (the
-            instance's ``_leases.LeaseBook.serve``).
+            instance's ``_lease_book.LeaseBook.serve``).
     """
 
     def __init__(

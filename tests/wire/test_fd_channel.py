@@ -35,7 +35,8 @@ from aiodatadist import (
 )
 from aiodatadist._caches import CacheEntry, Region
 from aiodatadist._fdchannel import FdChannel, connect_channel
-from aiodatadist._leases import LeaseBook, LeasePage
+from aiodatadist._lease_book import LeaseBook
+from aiodatadist._leases import LeasePage
 from aiodatadist.testing import cluster_info
 
 pytestmark = pytest.mark.asyncio
