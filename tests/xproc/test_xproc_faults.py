@@ -45,8 +45,9 @@ class _Always(LayerSynchronizer):
 
 @pytest.mark.asyncio
 async def test_peer_killed_mid_pull_then_relink_to_restarted_peer() -> None:
-    """SIGKILL of the prompt while a big tcp pull is half done: LLMException within the
-    deadline, the link is gone, and a restarted prompt links and serves again."""
+    """SIGKILL of the prompt while a big tcp pull is half done: LLMException soon after
+    the kill (from the closed connections, long before the deadline), the link is gone,
+    and a restarted prompt links and serves again."""
     async with Harness() as h:
         prompt = await h.peer(cluster_id=PROMPT, data_path="tcp", seed=SEED, big_mib=BIG_MIB)
         dd, local = await h.local(DECODER, decoder_options("tcp"), big_mib=BIG_MIB)
@@ -59,31 +60,30 @@ async def test_peer_killed_mid_pull_then_relink_to_restarted_peer() -> None:
         )
         watcher.start()
         loop = asyncio.get_running_loop()
-        started = loop.time()
         pull = asyncio.ensure_future(
             dd.cache_manager.pull_blocks(
                 BlocksCacheKey(PROMPT, xc.MODEL_BIG),
                 big.cache,
                 list(range(nblocks)),
                 list(range(nblocks)),
-                timeout=2.0,
+                timeout=10.0,  # far past the kill: the deadline is not what ends it
             )
         )
         await asyncio.to_thread(watcher.join, 5)
         assert "stopped" in stamps, "no byte of the pull ever landed"
-        # Frozen mid-transfer: some bytes landed, not all.
-        landed = [int(np.count_nonzero(v == xc.BIG_FILL)) for v in big.views]
-        assert 0 < sum(landed) < sum(v.size for v in big.views), landed
+        # Frozen mid-transfer: some bytes landed, not all (a byte per page tells, and keeps
+        # a loaded machine from spending seconds on the loop here before the kill).
+        landed = [int(np.count_nonzero(v[::4096] == xc.BIG_FILL)) for v in big.views]
+        assert 0 < sum(landed) < sum(v[::4096].size for v in big.views), landed
         assert not pull.done()
         prompt.kill(signal.SIGKILL)
         killed = loop.time()
         with pytest.raises(LLMException) as ei:
             await asyncio.wait_for(pull, 5)
         failed = loop.time()
-        assert failed - started < 3.0, f"the pull failed {failed - started:.2f} s after it began"
         # A dead peer is noticed from its closed connections, not from the deadline.
         assert ei.value.status_code != S.LLM_TIMEOUT, ei.value
-        assert failed - killed < 1.5
+        assert failed - killed < 1.5, f"the pull failed {failed - killed:.2f} s after the kill"
         await prompt.wait_dead()
         await until(lambda: dd.links == [], what="the dead link to be dropped")
         with pytest.raises(LLMException) as ei:
