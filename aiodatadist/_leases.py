@@ -1,13 +1,14 @@
-"""Leases for one-sided access: the pages, the owner's book, and the lease-guarded copy.
+"""Leases for one-sided access: the pages, the holds, and the lease-guarded copy.
 
 The rule (docs/concepts.md, "Leases: one-sided access"): a peer reads or writes a
 cache of ours through ``shm`` or ``cma`` only under a lease we granted for that
 cache's *current* registration.
 
 * A **lease page** is a sealed memfd segment of :data:`SLOTS` slots of 16 bytes,
-  ``{atomic u64 gen; atomic u32 readers; u32 pad}``. Every same-host link has two:
-  each side creates one for the link (it *owns* it, and writes only its own caches'
-  generations into it) and passes it to the other side, which maps it read-write.
+  ``{atomic u64 gen; atomic u32 readers; atomic u32 fences}``. Every same-host link
+  has two: each side creates one for the link (it *owns* it, and writes only its own
+  caches' generations and fence counts into it) and passes it to the other side, which
+  maps it read-write.
 * Every registration gets a slot (per instance, reused after a free) and a
   generation from a per-instance counter (never reused); cache descriptions carry
   ``lease: [slot, gen]``.
@@ -20,7 +21,9 @@ cache's *current* registration.
   generation revoked and waiting (a shared futex, no polling) until no reader is left,
   on every page it wrote the slot to, bounded; past the bound it restores every
   generation and the call fails with ``LLM_LINK_BUSY``, registration unchanged.
-
+* While an aborted engine transfer may still write into a cache (it is fenced,
+  ``CacheEntry.fence``), the owner counts its fences in the slot; a one-sided *write*
+  that entered the lease refuses with ``LLM_LINK_BUSY`` while the count is not 0.
 
 The owner's side (slots, generations, its pages, the fence counts) is
 :mod:`aiodatadist._lease_book`. The fds of pages and segments travel over the per-link
@@ -284,8 +287,9 @@ def leased(
     ``writes`` (a push: the job writes into the owner's cache): refused with
     ``LLM_LINK_BUSY``, before any byte moves, while the owner has a fence on the cache
     (an aborted engine transfer may still write into it and would overwrite what this
-    one lands: ``_lease_book.LeaseBook.set_fences``). The page carries a count per cache, not
-    the fenced blocks: every write into that cache waits for the fences to lift.
+    one lands: ``_lease_book.LeaseBook.set_fences``). The page carries a count per
+    cache, not the fenced blocks: every write into that cache waits for the fences to
+    lift.
 
     ``keepable``: the job may hand a request it cannot recall to a reaper, which then
     keeps the lease (an engine job: :class:`LeaseHold`, :func:`keep_current`); a plain
