@@ -132,8 +132,7 @@ class Floor:
             if cma is None:
                 raise SystemExit("cma: the link has no cma path")
             self.pid = cma.pid
-        self.table = link.path.remote_table
-        remote, self.plan = _runner.plan(request, self.table)
+        remote, self.plan = _runner.plan(request, link.path.remote_table)
         self.src, self.dst = list(remote.addrs), list(request.local.addrs)
         self.bounds = self.plan.layer_bounds(0, 2, layers)
 
