@@ -462,7 +462,8 @@ class TransferExecutor:
                 done = (
                     f"after {ctl.bytes_done} of {ctl.total} bytes"
                     if ctl.total
-                    else "(the transfer engine does not report its progress)"
+                    else "(no progress reported: the transfer had not started yet, or its "
+                    "engine does not report progress)"
                 )
                 why = f"deadline passed {done}"
                 raise failure(LLMStatusCode.LLM_TIMEOUT, why, api=api) from None

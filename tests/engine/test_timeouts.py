@@ -68,14 +68,20 @@ async def test_deadline_aborts_a_big_native_pull(slow_pair: Pair) -> None:
     loop = asyncio.get_running_loop()
     link = link_of(pair.decoder, 1)
 
-    start = loop.time()
-    with pytest.raises(LLMTimeoutError) as info:
-        await pair.decoder.cache_manager.pull_blocks(pair.key(), dst.cache, ALL_BIG, ALL_BIG,
-                                                     timeout=0.01)
-    elapsed = loop.time() - start
+    # A loaded machine may not start the native job within 10 ms: the message then says
+    # no progress was reported; the next try (a few at most) is caught mid-copy.
+    for _ in range(5):
+        start = loop.time()
+        with pytest.raises(LLMTimeoutError) as info:
+            await pair.decoder.cache_manager.pull_blocks(pair.key(), dst.cache, ALL_BIG,
+                                                         ALL_BIG, timeout=0.01)
+        elapsed = loop.time() - start
 
-    _assert_timeout(info.value)
-    assert elapsed < BOUND_S, f"the deadline was honoured after {elapsed:.3f} s"
+        _assert_timeout(info.value)
+        assert elapsed < BOUND_S, f"the deadline was honoured after {elapsed:.3f} s"
+        if "deadline passed after" in str(info.value):
+            break
+        assert "the transfer had not started yet" in str(info.value), info.value
     assert "deadline passed after" in str(info.value)
     # The native job has returned (quiescence) and the slot is free.
     assert executor_of(pair.decoder).in_flight == 0
