@@ -32,10 +32,14 @@ async def _owner() -> tuple[LLMDataDist, Any]:
     return dd, cache
 
 
-async def _lease(raw: RawClient, req: int, cache_id: int, gen: int | None) -> dict[str, Any]:
+async def _lease(
+    raw: RawClient, req: int, cache_id: int, gen: int | None, *, write: bool = False
+) -> dict[str, Any]:
     body: dict[str, Any] = {"req": req, "cache_id": cache_id}
     if gen is not None:
         body["gen"] = gen
+    if write:
+        body["write"] = True
     await raw.write(_wire.MsgType.LEASE, body)
     while True:
         msg = await raw.read()

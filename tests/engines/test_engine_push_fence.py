@@ -26,6 +26,7 @@ from aiodatadist import BlocksCacheKey, LLMDataDist, LLMException, LLMRole, LLMS
 from aiodatadist._caches import CacheEntry, Region
 from aiodatadist.testing import cluster_info, make_blocks_cache, pattern_mismatches
 from tests._engines import require_engine
+from tests.engines.test_engine_lease_wire import _lease
 from tests.xproc.xproc_harness import RawClient
 
 pytestmark = pytest.mark.asyncio
@@ -86,17 +87,6 @@ async def test_an_engine_push_into_a_fenced_cache_is_refused(
     assert set(decoder.stats().links[PROMPT].by_path) == {engine}
 
 
-async def _lease(raw: RawClient, req: int, cache_id: int, write: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"req": req, "cache_id": cache_id}
-    if write:
-        body["write"] = True
-    await raw.write(_wire.MsgType.LEASE, body)
-    while True:
-        msg = await raw.read()
-        if msg.type == _wire.MsgType.LEASED and msg.body["req"] == req:
-            return msg.body
-
-
 async def test_a_write_lease_is_refused_while_the_cache_is_fenced() -> None:
     dd = LLMDataDist(LLMRole.PROMPT, PROMPT)
     await dd.init({"llm.listenIpInfo": "127.0.0.1:0"})
@@ -108,10 +98,10 @@ async def test_a_write_lease_is_refused_while_the_cache_is_fenced() -> None:
         async with RawClient(*dd.listen_address) as raw:
             await raw.handshake(RAW)
             fence = entry.fence(Region.of_rows(entry.addrs, np.array([[0, 0, 0, 0, 64]]), "dst"))
-            refused = await _lease(raw, 1, cid, write=True)
+            refused = await _lease(raw, 1, cid, None, write=True)
             assert refused["status"] == int(LLMStatusCode.LLM_LINK_BUSY), refused
             assert entry.busy == 1  # the fence's own hold: nothing held for the refused lease
-            read = await _lease(raw, 2, cid, write=False)  # a read may still be granted
+            read = await _lease(raw, 2, cid, None)  # a read may still be granted
             assert read["status"] == 0, read
             await raw.write(_wire.MsgType.UNLEASE, {"req": 2})
             entry.unfence(fence)
@@ -120,7 +110,7 @@ async def test_a_write_lease_is_refused_while_the_cache_is_fenced() -> None:
                     break
                 await asyncio.sleep(0.005)
             assert entry.busy == 0
-            granted = await _lease(raw, 3, cid, write=True)
+            granted = await _lease(raw, 3, cid, None, write=True)
             assert granted["status"] == 0, granted
             await raw.write(_wire.MsgType.UNLEASE, {"req": 3})
     finally:
