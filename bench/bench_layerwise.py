@@ -18,6 +18,11 @@ cache registered) or in this one (``inproc``). Per path, the two transfers alter
   ``first - whole / layers`` is what the machine itself costs the first layer (a mover
   thread's wake-up, the second thread joining, the reader's wake-up with both CPUs
   copying): when that alone is near the goal's 100 us, no asyncio call can meet it.
+* ``blocking floor`` (the same paths, after it): layer 0 alone, copied by this thread at
+  once with two mover threads (the kernel the whole copy takes), nothing else running:
+  the earliest any design, even one that blocks its event loop for the layer, can have
+  layer 0. Its excess over ``pull / layers`` is the goal's bound on this machine (a
+  standing start: the second thread's wake-up, cold caches and TLB).
 
 Goals (issue 13, item 3): ``whole`` <= 1.05x ``pull`` (judged on the median of the
 per-pair ratios), ``first`` <= ``pull / layers + 100 us``. Every figure is printed with
@@ -135,6 +140,36 @@ class Floor:
         remote, self.plan = _runner.plan(request, link.path.remote_table)
         self.src, self.dst = list(remote.addrs), list(request.local.addrs)
         self.bounds = self.plan.layer_bounds(0, 2, layers)
+        segments = self.plan.segments()
+        self.layer0 = _native.Plan.from_segments(
+            self.plan.src, self.plan.dst, segments[: self.bounds[0]].copy()
+        )
+        # The kernel the whole transfer's copy takes (non-temporal stores from
+        # STREAM_THRESHOLD bytes on): layer 0 alone is under it, and would take memcpy.
+        self.stream = (
+            self.pid == 0
+            and _native.STREAM_SUPPORTED
+            and _native.copy_mode() == "auto"
+            and self.plan.total_bytes >= _native.STREAM_THRESHOLD
+        )
+
+    def blocking(self) -> float:
+        """Layer 0 alone, copied by this thread at once with both movers (no job to
+        start, no signal, no reader to wake): the fastest any design delivers it, ms."""
+        if self.stream:
+            _native.set_copy_mode("stream")
+        try:
+            t0 = time.perf_counter()
+            if self.pid == 0:
+                _native.copy_local(self.layer0, self.src, self.dst, _native.Control(), threads=2)
+            else:
+                _native.cma_read(
+                    self.pid, self.layer0, self.src, self.dst, _native.Control(), threads=2
+                )
+            return (time.perf_counter() - t0) * 1e3
+        finally:
+            if self.stream:
+                _native.set_copy_mode("auto")
 
     def run(self) -> tuple[float, float]:
         """(first layer, whole) in ms."""
@@ -177,11 +212,16 @@ async def measure(path: str, args: argparse.Namespace) -> dict[str, Any]:
         if floor is not None:
             floor.run()
             _check(side, sb, db, f"{path} native floor")
+            floor.blocking()
+            bad = pattern_mismatches(side.dst.tensors, sb, db, side.seed, [(0, 0), (1, 1)])
+            if bad:
+                raise SystemExit(f"{path} blocking floor: wrong bytes: {bad[0]}")
         pulls: list[list[float]] = []
         wholes: list[list[float]] = []
         firsts: list[list[float]] = []
         ratios: list[list[float]] = []
         floor_over: list[float] = []  # floor first - floor whole / layers, ms
+        blocking_over: list[float] = []  # layer 0 copied at once - pull / layers, ms
         for _ in range(args.rounds):
             p_r, w_r, f_r, r_r = [], [], [], []
             for i in range(args.repeats):
@@ -198,6 +238,7 @@ async def measure(path: str, args: argparse.Namespace) -> dict[str, Any]:
                 if floor is not None:
                     ff, fw = floor.run()
                     floor_over.append(ff - fw / layers)
+                    blocking_over.append(floor.blocking() - p / layers)
             pulls.append(p_r)
             wholes.append(w_r)
             firsts.append(f_r)
@@ -233,6 +274,7 @@ async def measure(path: str, args: argparse.Namespace) -> dict[str, Any]:
         "ratio": ratio_s,
         "first_goal_ms": first_goal,
         "floor_first_over_ms": summarize(floor_over) if floor_over else None,
+        "blocking_first_over_ms": summarize(blocking_over) if blocking_over else None,
         "whole_ok": ratio_s.p50 <= 1.05,
         "first_ok": first_s.p50 <= first_goal,
         "warnings": warnings,
@@ -276,6 +318,10 @@ def main() -> int:
             print(
                 f"  native floor: first - whole/{r['layers']}  "
                 f"{fmt(r['floor_first_over_ms'], 'ms')}   (the goal allows 0.100)"
+            )
+            print(
+                f"  blocking floor: layer 0 at once - pull/{r['layers']}  "
+                f"{fmt(r['blocking_first_over_ms'], 'ms')}"
             )
         for w in r["warnings"]:
             print(f"  {w}")
