@@ -10,9 +10,13 @@ with a :class:`~aiodatadist.transports.base.LayerCut`): one FIFO slot, one hold 
 each cache (one lease bracket on the one-sided paths), one deadline, one native job
 (``inproc``, ``shm``, ``cma``) that copies the layers in order and adds 1 to an eventfd
 as each one has landed, without the GIL. The loop watches the eventfd
-(``loop.add_reader``) and wakes the caller waiting for that layer. Paths without a
-layered job (``tcp``, the engines) move the layers one after another inside the same
-slot hold and signal the same eventfd.
+(``loop.add_reader``) and wakes the caller waiting for that layer. On ``tcp`` one
+request asks for every layer and the layered receive signals each once every stream's
+part of it has landed; the engines move the layers one after another inside the same
+slot hold and signal the same eventfd. An iteration small enough for the path's pull to
+move without a thread handoff or a control message (an inline copy, a ``tcp``
+request-stream pull) is that one pull, every layer signalled once it has landed
+(``Path.pull_at_once``).
 """
 
 from __future__ import annotations

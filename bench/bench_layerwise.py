@@ -1,9 +1,11 @@
 """Layer-by-layer streaming against one ``pull_blocks`` of the same blocks, same run.
 
     .venv/bin/python bench/bench_layerwise.py [--paths inproc,shm,cma,tcp] [--rounds 3]
-        [--repeats 7] [--blocks 16] [--depth 2] [--json PATH]
+        [--repeats 7] [--blocks 16] [--workload llama8b-fp16|small] [--depth 2] [--json PATH]
 
-Workload ``llama8b-fp16`` (32 layers x K,V = 64 tensors of 256 KiB blocks): ``--blocks``
+Workload ``llama8b-fp16`` (32 layers x K,V = 64 tensors of 256 KiB blocks; ``small``: 4
+layers x K,V of 4 KiB blocks, where ``--blocks 8`` is 256 KiB in all, moved whole by one
+pull on every path but ``inproc``, see ``Path.pull_at_once``): ``--blocks``
 blocks (default 16, shuffled, non-contiguous pairing) of every layer, from a prompt in
 another process (``shm``: its cache allocated in shared memory; ``cma`` / ``tcp``: its
 cache registered) or in this one (``inproc``). Per path, the two transfers alternate
@@ -287,15 +289,18 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--blocks", type=int, default=16)
+    ap.add_argument("--workload", choices=("llama8b-fp16", "small"), default="llama8b-fp16")
     ap.add_argument("--depth", type=int, default=2)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.repeats < 7:
         ap.error("--repeats must be >= 7")
+    global W
+    W = WORKLOADS[args.workload]
     load0 = load_average()
     print(
-        f"llama8b-fp16, {args.blocks} blocks x {W.num_tensors // 2} layers "
-        f"({args.blocks * W.num_tensors * W.block_bytes / 2**20:.0f} MiB), depth {args.depth}, "
+        f"{W.name}, {args.blocks} blocks x {W.num_tensors // 2} layers "
+        f"({args.blocks * W.num_tensors * W.block_bytes / 2**10:.0f} KiB), depth {args.depth}, "
         f"{args.rounds} rounds x {args.repeats} ABBA pairs; {fmt_load('start', load0)}"
     )
     results = []

@@ -111,9 +111,9 @@ class LayerCut:
             start = end
         return out
 
-    def signal(self) -> None:
-        """One more layer landed (from the loop thread; native jobs write the fd)."""
-        os.eventfd_write(self.fd, 1)
+    def signal(self, layers: int = 1) -> None:
+        """``layers`` more layers landed (from the loop thread; native jobs write the fd)."""
+        os.eventfd_write(self.fd, layers)
 
 
 class Lane(abc.ABC):
@@ -326,6 +326,26 @@ class Path(abc.ABC):
         for part in cut.plans(plan):
             await self.pull(part, remote, local, call)
             cut.signal()
+
+    async def pull_at_once(
+        self,
+        plan: _native.Plan,
+        remote: CacheEntry,
+        local: CacheEntry,
+        call: Call,
+        cut: LayerCut,
+    ) -> None:
+        """A layered pull too small to gain from streaming: one :meth:`pull` of the whole
+        plan, then every layer signalled.
+
+        The paths take it below the size their :meth:`pull` moves without a thread
+        handoff (an inline copy, a ``tcp`` request-stream pull): there the whole lands
+        sooner than a layered job's first layer would (its mover thread's start, a
+        signal and the loop's wake-up per layer cost more than the bytes), and a stream
+        of small layers would only add that cost to every layer.
+        """
+        await self.pull(plan, remote, local, call)
+        cut.signal(cut.count)
 
     def lane(self, remote: CacheEntry, local: CacheEntry) -> Lane | None:
         """A :class:`Lane` for small pulls from ``remote`` into ``local`` over the path

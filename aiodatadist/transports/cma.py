@@ -115,6 +115,9 @@ class CmaPath(Path):
         call: Call,
         cut: LayerCut,
     ) -> None:
+        if plan.total_bytes <= ONE_SIDED_INLINE_MAX_BYTES:  # see Path.pull_at_once
+            await self.pull_at_once(plan, remote, local, call, cut)
+            return
         # One process_vm_readv job over the whole plan, each layer signalled on cut.fd once
         # it landed and the lease was seen still current; never inline (see InprocPath).
         # The job enters the lease before a byte moves and leaves it at the end (as

@@ -74,6 +74,9 @@ class InprocPath(Path):
         cut: LayerCut,
     ) -> None:
         require_host_memory("inproc", remote, local)
+        if plan.total_bytes <= INLINE_MAX_BYTES:  # copied inline: see Path.pull_at_once
+            await self.pull_at_once(plan, remote, local, call, cut)
+            return
         # One native job over the whole plan: threads and copy kernel chosen on the whole,
         # each layer signalled on cut.fd from the mover threads (never inline: the loop
         # must stay free to hand layers over while the rest moves). Started on a mover

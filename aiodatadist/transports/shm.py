@@ -179,6 +179,9 @@ class ShmPath(Path):
         call: Call,
         cut: LayerCut,
     ) -> None:
+        if plan.total_bytes <= ONE_SIDED_INLINE_MAX_BYTES:  # see Path.pull_at_once
+            await self.pull_at_once(plan, remote, local, call, cut)
+            return
         # One native job over the whole plan (the mapping's copy under the lease), each
         # layer signalled on cut.fd once it landed and the lease was seen still current;
         # started on a mover thread as it is queued, and never inline (see InprocPath).

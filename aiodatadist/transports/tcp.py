@@ -118,9 +118,12 @@ class TcpPath(Path):
     ) -> None:
         """One request for every layer: each stream carries its part of every layer, in
         layer order (the plan is reordered so), and a layer is signalled on ``cut.fd`` once
-        every stream's part of it has landed."""
-        if plan.total_bytes <= LOOP_MAX_BYTES:
-            await super().pull_layers(plan, remote, local, call, cut)
+        every stream's part of it has landed. A pull of at most ``STREAM_MAX_BYTES`` is one
+        :meth:`pull` (see ``Path.pull_at_once``): on the request stream its answer lands
+        before a control-plane request's first layer would (and the layered receive has
+        no tiny form: one moved by the loop is not cut into layers)."""
+        if plan.total_bytes <= STREAM_MAX_BYTES:
+            await self.pull_at_once(plan, remote, local, call, cut)
             return
         dst, bounds, efd = local.addrs, cut.bounds(plan), cut.fd
 

@@ -26,6 +26,7 @@ from aiodatadist import (
     LLMTimeoutError,
 )
 from aiodatadist._cm_layerwise import LayerPulled, LayerStream
+from aiodatadist._executor import INLINE_MAX_BYTES
 from aiodatadist.testing import Pair, fill_pattern, pattern_mismatches
 from tests.engine._util import (
     BOUND_S,
@@ -91,6 +92,48 @@ async def test_each_layer_exact_when_yielded(pair: Pair, t: int, depth: int) -> 
     assert got == [
         LayerPulled(k, k, k, len(db) * t * src.cache.cache_desc.size // NB) for k in range(n_layers)
     ]
+
+
+async def test_an_iteration_within_the_inline_bound_is_one_inline_copy(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At most ``INLINE_MAX_BYTES`` in all: one pull, copied on the loop thread (no mover
+    thread, no executor job), every layer exact and handed over; over it, one layered job."""
+    seed = next(_seeds)
+    small = (16, 8, 16)  # fp16: 4 KiB per block per tensor
+    src = pair.prompt_cache(model_id=1, num_tensors=8, num_blocks=NB, block_shape=small)
+    fill_pattern(src.tensors, seed)
+    ex = executor_of(pair.decoder)
+    jobs: list[str] = []
+    real_prestart, real_post = ex.prestart, ex._post
+
+    def prestart(*a, **k):
+        jobs.append("layered")
+        return real_prestart(*a, **k)
+
+    def post(*a, **k):
+        jobs.append("worker")
+        return real_post(*a, **k)
+
+    monkeypatch.setattr(ex, "prestart", prestart)
+    monkeypatch.setattr(ex, "_post", post)
+    per_block = 8 * 4096  # all 8 tensors
+    n = INLINE_MAX_BYTES // per_block
+    for blocks, expect in ((n, []), (n + 1, ["layered", "worker"])):
+        sb = list(range(blocks))
+        db = sb[::-1]
+        dst = pair.decoder_cache(num_tensors=8, num_blocks=NB, block_shape=small)
+        got = []
+        async for layer in pair.decoder.cache_manager.pull_blocks_layerwise(
+            pair.key(1), dst.cache, sb, db, tensor_num_per_layer=1
+        ):
+            _layer_ok(dst, seed, 1, layer, sb, db)
+            got.append(layer.index)
+        assert got == list(range(8))
+        assert not pattern_mismatches(dst.tensors, sb, db, seed)
+        assert all(not blocks_of(t)[blocks:].any() for t in dst.tensors)  # nothing else
+        assert jobs == expect, (blocks * per_block, jobs)
+        jobs.clear()
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,10 @@ import numpy as np
 import pytest
 
 from aiodatadist import BlocksCacheKey, LLMException, LLMStatusCode
+from aiodatadist._executor import ONE_SIDED_INLINE_MAX_BYTES
+from aiodatadist._wire import MsgType
 from aiodatadist.testing import PromptSpec, RemotePair, remote_pair
+from aiodatadist.transports.tcp_requests import STREAM_MAX_BYTES
 from tests.xproc import xproc_common as xc
 from tests.xproc.xproc_harness import Harness, decoder_options, link
 
@@ -83,6 +86,66 @@ async def test_layers_exact_when_yielded(path: str, t: int) -> None:
             seen.append((layer.src_layer, layer.dst_layer))
         assert seen == [(1, 2), (2, 3)]
         assert _untouched(dst2, range(0, 2 * t))
+
+
+# The most a layered pull moves as one pull (Path.pull_at_once): what the path's pull
+# moves without a thread handoff or a control message.
+AT_ONCE = {"shm": ONE_SIDED_INLINE_MAX_BYTES, "cma": ONE_SIDED_INLINE_MAX_BYTES}
+AT_ONCE["tcp"] = STREAM_MAX_BYTES
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_a_small_iteration_is_one_pull_and_a_big_one_streams(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to the path's bound the layers come from one pull (shm, cma: copied inline, no
+    mover thread; tcp: asked on the request stream, no control message), each exact and
+    the rest of the cache untouched; over it, one layered job (shm, cma) or one
+    control-plane request whose streams carry the layers (tcp)."""
+    block = 32 * 1024  # (128, 8, 16) fp16: per block per tensor
+    async with remote_pair(_spec(path, num_blocks=24), data_path=path) as pair:
+        await _skip_unless(pair, path)
+        dec = pair.decoder
+        cm = dec.cache_manager
+        link = dec._rt.links.find(pair.prompt_id)
+        assert link is not None
+        started: list[str] = []
+        real_prestart = dec._rt.executor.prestart
+        real_request = link.path.peer.request
+
+        def prestart(*a: object, **k: object) -> object:
+            started.append("layered job")
+            return real_prestart(*a, **k)
+
+        async def request(msg_type: object, body: object, binary: bytes) -> object:
+            started.append(str(msg_type))
+            return await real_request(msg_type, body, binary)
+
+        monkeypatch.setattr(dec._rt.executor, "prestart", prestart)
+        monkeypatch.setattr(link.path.peer, "request", request)
+        n = AT_ONCE[path] // (8 * block)  # blocks that fill the bound over all 8 tensors
+        for blocks, streamed in ((n, False), (n + 2, True)):
+            sb = list(range(blocks))
+            db = sb[::-1]
+            dst = pair.decoder_cache()
+            before = list(started)
+            got = []
+            async for layer in cm.pull_blocks_layerwise(
+                pair.key(), dst.cache, sb, db, tensor_num_per_layer=2, timeout=60
+            ):
+                assert _layer_bad(pair, dst, layer, sb, db, 2) == [], layer
+                got.append(layer.index)
+            assert got == [0, 1, 2, 3]
+            assert pair.mismatches(dst, sb, db) == []
+            spare = [b for b in range(24) if b not in db]
+            assert all(not dst.tensors[t][spare].view("uint8").any() for t in range(8))
+            new = started[len(before) :]
+            if not streamed:
+                assert new == [], f"{blocks * 8 * block} bytes: {new}"
+            elif path == "tcp":
+                assert new == [str(MsgType.PULL)], new
+            else:
+                assert new == ["layered job"], new
 
 
 @pytest.mark.parametrize("path", PATHS)
