@@ -150,6 +150,50 @@ async def test_forced_engine_pull_and_push_exact_bytes(engine: Engine, control_l
         assert np.array_equal(local["alloc"].matrix(), want)
 
 
+async def test_layerwise_over_the_engine_each_layer_exact(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pull_blocks_layerwise`` over the engine: one engine pull per layer, in order
+    (``Path.pull_layers``; one pull of the whole would land the first layer later on
+    Mooncake, whose every pull costs ~0.5 ms here), each layer exact the moment it is
+    handed over, the blocks not named untouched."""
+    e = engine
+    async with Harness() as h:
+        dd, local, _prompt = await linked(h, e)
+        lk = dd._rt.links.find(e.prompt)
+        ep = lk.path.engines[DataPath(e.name)]
+        pulls: list[int] = []
+        real = ep.pull
+
+        async def pull(plan: Any, *a: Any) -> None:
+            pulls.append(plan.total_bytes)
+            await real(plan, *a)
+
+        monkeypatch.setattr(ep, "pull", pull)
+        spec = xc.SPECS["reg"]
+        ref = xc.reference(e.seed, "reg")
+        reg = local["reg"]
+        cm = dd.cache_manager
+        key = BlocksCacheKey(e.prompt, xc.MODEL_REG)
+        for sb, db in (([0, 3, 5], [1, 2, 7]), ([6, 1], [0, 4])):
+            before = reg.matrix()
+            pulls.clear()
+            got = []
+            async for layer in cm.pull_blocks_layerwise(
+                key, reg.cache, sb, db, tensor_num_per_layer=1, timeout=10
+            ):
+                t = layer.dst_layer
+                want = xc.expect_blocks(before, ref, spec.unit, sb, db, (t, t, 1))
+                assert np.array_equal(reg.matrix()[t], want[t]), layer
+                assert len(pulls) > layer.index  # (its own engine pull was asked)
+                got.append(layer.index)
+            assert got == [0, 1, 2, 3]
+            whole = xc.expect_blocks(before, ref, spec.unit, sb, db, (0, 0, spec.num_tensors))
+            assert np.array_equal(reg.matrix(), whole)
+            assert pulls == [len(sb) * spec.unit] * 4, pulls
+            assert lk.path.used == e.name
+
+
 async def test_auto_offers_the_engine_but_keeps_host_memory_on_our_paths(engine: Engine) -> None:
     """Both sides run the engine, ``auto``: the link offers it, host memory still goes over
     shm/cma (device memory would go over NIXL: no GPU here to show it)."""
