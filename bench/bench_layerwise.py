@@ -298,9 +298,11 @@ def main() -> int:
     global W
     W = WORKLOADS[args.workload]
     load0 = load_average()
+    total = args.blocks * W.num_tensors * W.block_bytes
+    size = f"{total / 2**20:.0f} MiB" if total >= 2**20 else f"{total / 2**10:.0f} KiB"
     print(
         f"{W.name}, {args.blocks} blocks x {W.num_tensors // 2} layers "
-        f"({args.blocks * W.num_tensors * W.block_bytes / 2**10:.0f} KiB), depth {args.depth}, "
+        f"({size}), depth {args.depth}, "
         f"{args.rounds} rounds x {args.repeats} ABBA pairs; {fmt_load('start', load0)}"
     )
     results = []
